@@ -1,0 +1,220 @@
+"""Advantage estimators: GAE (ch 4), GRPO and RLOO (ch 6), and a registry by name.
+
+All tensors are response-only, shape ``(batch, response_len)``; see design section 3.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval, check_values
+from refppo.functional import masked_whiten
+
+ADV_ESTIMATOR_REGISTRY: dict[str, Callable] = {}
+
+
+def register_adv_est(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register an advantage estimator under ``name`` (as verl's register_adv_est)."""
+
+    def decorator(fn: Callable) -> Callable:
+        if name in ADV_ESTIMATOR_REGISTRY and ADV_ESTIMATOR_REGISTRY[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATOR_REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_adv_estimator_fn(name: str) -> Callable:
+    """The advantage estimator registered as ``name`` ('gae', 'grpo', 'rloo', ...)."""
+    check_choice("advantage estimator", name, ADV_ESTIMATOR_REGISTRY)
+    return ADV_ESTIMATOR_REGISTRY[name]
+
+
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:
+    """y_t = x_t + discount * y_{t+1} (y_T = 0) for every t: returns-to-go, GAE's sum.
+
+    Computed as block matrix products instead of a loop over t: inside blocks of k positions
+    y = x @ M^T with M[i, j] = discount^(j - i) (j >= i), then each block adds the carry from
+    the blocks after it. Only powers <= 1 appear (no division), so discount = 0 is exact.
+
+    Args:
+        x: (batch, T) tensor.
+        discount: scalar in [0, 1].
+
+    Returns:
+        (batch, T) tensor of the same dtype.
+    """
+    rows, length = x.shape
+    k = max(1, math.isqrt(length))
+    n_blocks = -(-length // k)
+    xb = torch.nn.functional.pad(x, (0, n_blocks * k - length)).view(rows, n_blocks, k)
+    steps = torch.arange(k, device=x.device)
+    gap = (steps[None, :] - steps[:, None]).to(x.dtype)  # gap[i, j] = j - i
+    inner = torch.where(gap >= 0, torch.pow(discount, gap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device))
+    local = xb @ inner.T  # (rows, n_blocks, k): sums inside each block
+    blocks = torch.arange(n_blocks, device=x.device)
+    bgap = (blocks[None, :] - blocks[:, None]).to(x.dtype)
+    outer = torch.where(bgap >= 0, torch.pow(discount, k * bgap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device))
+    heads = local[..., 0] @ outer.T  # (rows, n_blocks): y at the first position of each block
+    carry = torch.nn.functional.pad(heads[:, 1:], (0, 1))  # y at the start of the next block
+    y = local + carry[..., None] * torch.pow(discount, (k - steps).to(x.dtype))
+    return y.reshape(rows, n_blocks * k)[:, :length]
+
+
+def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+@register_adv_est("gae")
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float | torch.Tensor,
+    lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2015), equal to verl's reverse loop.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where
+    "t+1" is the next position with mask 1. A position with mask 0 inside a response (a tool
+    or observation token in multi-turn data) is skipped: it carries the next value and the
+    running advantage through unchanged, so it holds the advantage of the next valid token
+    (0 after the last one), not 0. Masked positions never reach a loss.
+
+    Example (seed 004): rewards [0, 0, 0, 1], values [.2, .3, .4, .5], mask [0, 0, 1, 1],
+    gamma .99, lam .95 give raw advantages [0.56525, 0.56525, 0.56525, 0.5].
+
+    Args:
+        token_level_rewards: (batch, T) rewards, e.g. score on the last token minus beta * KL.
+        values: (batch, T) critic values V(s_t) of the state before each response token.
+        response_mask: (batch, T) 0/1, at least 2 ones in the batch (for whitening).
+        gamma: discount in [0, 1].
+        lam: GAE lambda in [0, 1].
+
+    Returns:
+        advantages: (batch, T) whitened over the mask.
+        returns: (batch, T) raw advantages + values, the critic's targets.
+    """
+    check_ndim("token_level_rewards", token_level_rewards, 2)
+    check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    check_unit_interval("gamma", gamma)
+    check_unit_interval("lam", lam)
+    check_values(
+        masks={"response_mask": response_mask},
+        finite={"token_level_rewards": token_level_rewards, "values": values},
+    )
+    dtype = _work_dtype(token_level_rewards, values)
+    r, v, m = token_level_rewards.to(dtype), values.to(dtype), response_mask.to(dtype)
+    rows, length = r.shape
+    # 1. Pack each row's valid tokens to the front; column `length` collects the masked ones.
+    before = (torch.cumsum(m, dim=-1) - m).long()  # valid tokens before t = packed index of the next one
+    slot = torch.where(m.bool(), before, length)
+    packed_r = r.new_zeros(rows, length + 1).scatter_(1, slot, r)[:, :length]
+    packed_v = v.new_zeros(rows, length + 1).scatter_(1, slot, v)[:, :length]
+    # 2. In packed order "next valid token" is just t + 1, and zeros follow the last one.
+    next_v = torch.nn.functional.pad(packed_v[:, 1:], (0, 1))
+    delta = packed_r + gamma * next_v - packed_v
+    packed_adv = torch.nn.functional.pad(discounted_reverse_cumsum(delta, gamma * lam), (0, 1))
+    # 3. Every position reads the advantage of the next valid token at or after it.
+    advantages = packed_adv.gather(1, before)
+    returns = advantages + v
+    return masked_whiten(advantages, m), returns
+
+
+def _group_ids(index: Sequence | torch.Tensor, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Map group labels (prompt uids) to 0..G-1; returns ((batch,) long ids, G)."""
+    if len(index) != batch:
+        raise ValueError(f"index has {len(index)} entries but the batch has {batch} rows")
+    if isinstance(index, torch.Tensor):
+        uniq, ids = torch.unique(index, return_inverse=True)
+        return ids.to(device), len(uniq)
+    lookup: dict = {}
+    ids = [lookup.setdefault(key, len(lookup)) for key in index]
+    return torch.tensor(ids, dtype=torch.long, device=device), len(lookup)
+
+
+def _group_scores(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row outcome scores and, per row, its group's count, sum and sum of squared deviations."""
+    check_ndim("token_level_rewards", token_level_rewards, 2)
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_values(masks={"response_mask": response_mask}, finite={"token_level_rewards": token_level_rewards})
+    scores = token_level_rewards.to(_work_dtype(token_level_rewards)).sum(dim=-1)
+    ids, n_groups = _group_ids(index, scores.shape[0], scores.device)
+    count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
+    total = torch.zeros_like(count).index_add_(0, ids, scores)
+    mean = total / count
+    sq_dev = torch.zeros_like(count).index_add_(0, ids, (scores - mean[ids]) ** 2)
+    return scores, count[ids], total[ids], sq_dev[ids]
+
+
+@register_adv_est("grpo")
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence | torch.Tensor,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: each response's score minus its group's mean, divided by the group's std.
+
+    The score is the row sum of ``token_level_rewards``; a group is the rows that share an
+    ``index`` label (the ``rollout.n`` samples of one prompt). The std is unbiased, as
+    torch.std. A group of one gets mean 0 and std 1 (verl's rule).
+
+    Args:
+        token_level_rewards: (batch, T).
+        response_mask: (batch, T) 0/1.
+        index: (batch,) group labels: a list of hashables or a tensor.
+        epsilon: added to the std.
+        norm_adv_by_std_in_grpo: divide by the std (False gives Dr. GRPO's mean-only baseline).
+
+    Returns:
+        advantages, returns: both (batch, T), the per-row advantage on every valid token.
+    """
+    scores, n, total, sq_dev = _group_scores(token_level_rewards, response_mask, index)
+    single = n == 1
+    mean = torch.where(single, torch.zeros_like(total), total / n)
+    std = torch.where(single, torch.ones_like(total), torch.sqrt(sq_dev / (n - 1).clamp(min=1)))
+    adv = scores - mean
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + epsilon)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_est("rloo")
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: each response's score minus the mean score of the other responses of its group.
+
+    s_i - (sum_j s_j - s_i) / (n - 1), which equals n / (n - 1) * (s_i - mean). A group of
+    one keeps its raw score (verl's rule).
+
+    Args:
+        token_level_rewards: (batch, T).
+        response_mask: (batch, T) 0/1.
+        index: (batch,) group labels: a list of hashables or a tensor.
+
+    Returns:
+        advantages, returns: both (batch, T).
+    """
+    scores, n, total, _ = _group_scores(token_level_rewards, response_mask, index)
+    loo_mean = (total - scores) / (n - 1).clamp(min=1)
+    adv = torch.where(n == 1, scores, scores - loo_mean)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv

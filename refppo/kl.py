@@ -1,0 +1,159 @@
+"""KL estimators and KL coefficient controllers (ch 2, 6).
+
+``kl_penalty(logprob, ref_logprob)`` estimates KL(pi || pi_ref) from tokens sampled from pi,
+where ``logprob = log pi(a_t|s_t)`` and ``ref_logprob = log pi_ref(a_t|s_t)``; both (batch, T).
+With r = pi_ref / pi (the ratio the other way round):
+
+    k1 = log pi - log pi_ref            unbiased, can be negative
+    abs = |k1|
+    k2 = 0.5 * (log pi - log pi_ref)^2  biased, but its gradient is the KL's gradient
+    k3 = (r - 1) - log r                unbiased and >= 0 (Schulman's "low variance" estimator)
+
+A name ending in "+" (e.g. "k3+") returns the estimator's value with k2's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from refppo.checks import check_choice, check_same_shape
+
+_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTY_TYPES = _BASE_ESTIMATORS + tuple(name + "+" for name in _BASE_ESTIMATORS)
+
+
+def _k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+def _kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) -> torch.Tensor:
+    if name in ("kl", "k1"):
+        return logprob - ref_logprob
+    if name == "abs":
+        return (logprob - ref_logprob).abs()
+    if name in ("mse", "k2"):
+        return _k2(logprob, ref_logprob)
+    # k3 as expm1(x) - x: the same value as verl's exp(x) - x - 1 but without cancellation
+    # when x is small; clamps as verl's (log-ratio to +-20, result to +-10).
+    log_r = torch.clamp(ref_logprob - logprob, min=-20, max=20)
+    return torch.clamp(torch.expm1(log_r) - log_r, min=-10, max=10)
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "kl") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of sampled tokens (verl's kl_penalty).
+
+    Args:
+        logprob: (batch, T) log pi(a_t | s_t) of the sampled tokens; the sampling policy.
+        ref_logprob: (batch, T) log pi_ref(a_t | s_t) of the same tokens.
+        kl_penalty: one of KL_PENALTY_TYPES (kl/k1, abs, mse/k2, low_var_kl/k3, each with "+").
+
+    Returns:
+        (batch, T) per-token estimates (not masked).
+    """
+    check_choice("kl_penalty", kl_penalty, KL_PENALTY_TYPES)
+    check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
+    base = kl_penalty.rstrip("+")
+    value = _kl_penalty_forward(logprob, ref_logprob, base)
+    if not kl_penalty.endswith("+") or base in ("mse", "k2"):
+        return value
+    # Straight-through: forward value of the estimator, backward gradient of k2.
+    k2 = _k2(logprob, ref_logprob)
+    return k2 - k2.detach() + value.detach()
+
+
+def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Exact KL(pi || pi_ref) over the whole vocabulary at each position, in float32.
+
+    sum_v pi(v) * (log pi(v) - log pi_ref(v)) with pi = softmax(logits / temperature).
+    Holds (..., vocab) float32 intermediates: meant for small models and for checking estimators.
+
+    Args:
+        logits: (..., vocab) logits of pi.
+        ref_logits: (..., vocab) logits of pi_ref.
+        temperature: divides both.
+
+    Returns:
+        (...) float32 KL per position, >= 0.
+    """
+    check_same_shape(logits=logits, ref_logits=ref_logits)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    ref_logp = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
+class FixedKLController:
+    """A constant KL coefficient beta (``algorithm.kl_ctrl.type=fixed``)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Does nothing: beta stays fixed."""
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019) proportional controller (``algorithm.kl_ctrl.type=adaptive``).
+
+    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon).
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
+        if not target_kl > 0:
+            raise ValueError(f"target_kl must be > 0, got {target_kl}")
+        if not horizon > 0:
+            raise ValueError(f"horizon must be > 0, got {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move beta toward the target KL; ``n_steps`` is the number of samples in the batch."""
+        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+
+class PPOPaperKLController:
+    """The PPO paper's adaptive penalty (Schulman et al. 2017, section 4).
+
+    Halve beta when KL < target / 1.5, double it when KL > target * 1.5, else keep it.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float):
+        if not target_kl > 0:
+            raise ValueError(f"target_kl must be > 0, got {target_kl}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
+        """Apply the 1.5x / 2x rule once (``n_steps`` is accepted for a common interface)."""
+        kl = float(current_kl)
+        if math.isnan(kl):
+            raise ValueError("current_kl is NaN")
+        if kl < self.target / 1.5:
+            self.value /= 2.0
+        elif kl > self.target * 1.5:
+            self.value *= 2.0
+
+
+KL_CONTROLLER_TYPES = ("fixed", "adaptive", "ppo_paper")
+
+
+def get_kl_controller(
+    type: str, kl_coef: float, target_kl: float | None = None, horizon: float | None = None
+):
+    """Build the controller named by ``algorithm.kl_ctrl.type``.
+
+    Args:
+        type: 'fixed', 'adaptive' (Ziegler et al.) or 'ppo_paper' (halve / double).
+        kl_coef: initial beta.
+        target_kl: target KL per token (adaptive, ppo_paper).
+        horizon: samples over which the adaptive controller moves (adaptive).
+    """
+    check_choice("kl_ctrl.type", type, KL_CONTROLLER_TYPES)
+    if type == "fixed":
+        return FixedKLController(kl_coef)
+    if type == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    return PPOPaperKLController(kl_coef, target_kl)

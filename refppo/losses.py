@@ -1,0 +1,245 @@
+"""Actor and critic losses (ch 2, 3, 5) and loss aggregation.
+
+Per-token tensors are response-only, shape (batch, T); losses return scalar tensors and
+metrics as detached scalar tensors (no host sync: the trainer gathers metrics once per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refppo.checks import check_choice, check_same_shape, check_values
+from refppo.functional import entropy_from_logits, masked_mean, masked_sum
+from refppo.kl import kl_penalty as kl_penalty_fn
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+def _check_loss_inputs(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    check_same_shape(response_mask=response_mask, **tensors)
+    check_values(
+        masks={"response_mask": response_mask},
+        finite=tensors,
+        min_valid=("response_mask", response_mask, 1),
+        where=response_mask,
+    )
+
+
+def _agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    # Callers guarantee at least one valid token, so the divisions below are exact.
+    if loss_agg_mode == "token-mean":
+        return masked_sum(loss_mat, loss_mask) / loss_mask.sum()
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
+    seq_sums = masked_sum(loss_mat, loss_mask, axis=-1)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        # Dr. GRPO: divide by a constant (the padded length), not by the number of tokens.
+        return seq_sums.sum() / loss_mask.shape[-1]
+    tokens = loss_mask.sum(dim=-1)
+    seq_losses = seq_sums if loss_agg_mode == "seq-mean-token-sum" else seq_sums / tokens.clamp(min=1)
+    # Rows with no valid token do not count as sequences.
+    has_tokens = (tokens > 0).to(seq_losses.dtype)
+    return masked_sum(seq_losses, has_tokens) / has_tokens.sum()
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean") -> torch.Tensor:
+    """Aggregate a per-token loss into a scalar.
+
+    token-mean: sum over valid tokens / number of valid tokens.
+    token-sum: sum over valid tokens.
+    seq-mean-token-sum: mean over sequences of each sequence's token sum.
+    seq-mean-token-mean: mean over sequences of each sequence's token mean.
+    seq-mean-token-sum-norm: sum over valid tokens / T (Dr. GRPO's constant normaliser).
+    Sequence means skip rows with no valid token.
+
+    Args:
+        loss_mat: (batch, T) per-token losses.
+        loss_mask: (batch, T) 0/1 with at least one 1.
+        loss_agg_mode: one of LOSS_AGG_MODES.
+
+    Returns:
+        Scalar tensor.
+    """
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    _check_loss_inputs(loss_mask, loss_mat=loss_mat)
+    return _agg_loss(loss_mat, loss_mask, loss_agg_mode)
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate loss with asymmetric and dual clipping (verl's vanilla policy loss).
+
+    ratio = exp(clamp(log_prob - old_log_prob, -20, 20)) and, per token,
+    L = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)).
+    Dual-clip (Ye et al. 2019): where A < 0, L = min(L, -A * clip_ratio_c), which caps the loss
+    at -clip_ratio_c * A, so a ratio above clip_ratio_c stops counting (zero gradient).
+
+    Args:
+        old_log_prob: (batch, T) log pi_old of the sampled tokens (no gradient).
+        log_prob: (batch, T) log pi_theta of the same tokens (gradient flows).
+        advantages: (batch, T).
+        response_mask: (batch, T) 0/1.
+        clip_ratio: epsilon; the default for both sides.
+        clip_ratio_low: epsilon below 1 (defaults to clip_ratio).
+        clip_ratio_high: epsilon above 1 (defaults to clip_ratio; DAPO's clip-higher).
+        clip_ratio_c: dual-clip constant, > 1; None turns dual-clip off.
+        loss_agg_mode: see agg_loss.
+        rollout_is_weights: optional (batch, T) per-token importance weights (rollout
+            correction), multiplied into the per-token loss; no gradient.
+
+    Returns:
+        pg_loss: scalar.
+        pg_clipfrac: fraction of valid tokens where the clipped term was active.
+        ppo_kl: masked mean of old_log_prob - log_prob (k1 estimate of KL(old || new)).
+        pg_clipfrac_lower: fraction of valid tokens with A < 0 capped by the dual clip.
+    """
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    if not (0 <= low < 1 and high >= 0):
+        raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {low}, {high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip (or None to turn it off), got {clip_ratio_c}")
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
+
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+
+    if clip_ratio_c is None:
+        pg_losses = clip_pg_losses1
+        pg_clipfrac_lower = torch.zeros((), device=pg_losses.device)
+    else:
+        pg_losses3 = -advantages * clip_ratio_c
+        clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+        pg_clipfrac_lower = masked_mean(
+            (torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).float(), response_mask
+        )
+        pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode)
+    return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()
+
+
+def compute_ppo_penalty_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    kl_penalty: str = "kl",
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-penalty loss: -ratio * A + beta * KL(pi_old || pi_theta), per token (ch 2).
+
+    The KL is estimated on the sampled tokens, which come from pi_old, with the chosen
+    estimator (``kl_penalty(old_log_prob, log_prob, ...)``: pi_old is the sampling side).
+
+    Args:
+        old_log_prob: (batch, T) log pi_old (no gradient).
+        log_prob: (batch, T) log pi_theta (gradient flows).
+        advantages: (batch, T).
+        response_mask: (batch, T) 0/1.
+        kl_coef: beta >= 0.
+        kl_penalty: KL estimator name (see refppo.kl).
+        loss_agg_mode: see agg_loss.
+
+    Returns:
+        loss: scalar.
+        kl: masked mean of the per-token KL estimate (detached), for a beta controller.
+    """
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    kl = kl_penalty_fn(old_log_prob.detach(), log_prob, kl_penalty)
+    loss = _agg_loss(-advantages * ratio + kl_coef * kl, response_mask, loss_agg_mode)
+    return loss, masked_mean(kl, response_mask).detach()
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)).
+
+    Args:
+        vpreds: (batch, T) current critic values (gradient flows).
+        returns: (batch, T) targets (advantages + old values from GAE).
+        values: (batch, T) old values recorded at rollout time.
+        response_mask: (batch, T) 0/1.
+        cliprange_value: c, > 0; None turns clipping off.
+        loss_agg_mode: see agg_loss.
+
+    Returns:
+        vf_loss: scalar.
+        vf_clipfrac: fraction of valid tokens where the clipped error was larger.
+    """
+    if cliprange_value is not None and not cliprange_value > 0:
+        raise ValueError(f"cliprange_value must be > 0 (or None), got {cliprange_value}")
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    _check_loss_inputs(response_mask, vpreds=vpreds, returns=returns, values=values)
+    vf_losses1 = (vpreds - returns) ** 2
+    if cliprange_value is None:
+        clipped_vf_losses, vf_clipfrac = vf_losses1, torch.zeros((), device=vpreds.device)
+    else:
+        vpredclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+        vf_losses2 = (vpredclipped - returns) ** 2
+        clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
+        vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
+    vf_loss = 0.5 * _agg_loss(clipped_vf_losses, response_mask, loss_agg_mode)
+    return vf_loss, vf_clipfrac.detach()
+
+
+def compute_entropy_loss(
+    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", temperature: float = 1.0
+) -> torch.Tensor:
+    """Aggregated entropy of the policy at the response positions (the bonus is -coef * this).
+
+    Args:
+        logits: (batch, T, vocab) logits at the positions that predict the response tokens.
+        response_mask: (batch, T) 0/1.
+        loss_agg_mode: see agg_loss.
+        temperature: the sampling temperature.
+
+    Returns:
+        Scalar mean entropy (nats).
+    """
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    if logits.shape[:-1] != response_mask.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match response_mask {tuple(response_mask.shape)} + vocab"
+        )
+    entropy = entropy_from_logits(logits, temperature)
+    _check_loss_inputs(response_mask, entropy=entropy)
+    return _agg_loss(entropy, response_mask, loss_agg_mode)

@@ -1,0 +1,31 @@
+"""Random inputs shared by the tests: masks of every shape the code must handle."""
+
+import torch
+from hypothesis import strategies as st
+
+MASK_KINDS = ("full", "ragged", "holes", "with_empty_rows")
+
+
+def make_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """(batch, length) float mask: full, right-padded ragged, random holes, or ragged with empty rows."""
+    if kind == "full":
+        return torch.ones(batch, length, dtype=torch.float64)
+    if kind == "holes":
+        m = (torch.rand(batch, length, generator=gen) < 0.7).double()
+        m[:, 0] = 1.0
+        return m
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    if kind == "with_empty_rows":
+        lengths[torch.rand(batch, generator=gen) < 0.3] = 0
+        lengths[0] = max(int(lengths[0]), 2)
+    return (torch.arange(length)[None, :] < lengths[:, None]).double()
+
+
+@st.composite
+def batches(draw, min_len=1, max_batch=5, max_len=12):
+    """Draw (generator, batch, length, mask kind)."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    batch = draw(st.integers(1, max_batch))
+    length = draw(st.integers(min_len, max_len))
+    kind = draw(st.sampled_from(MASK_KINDS))
+    return torch.Generator().manual_seed(seed), batch, length, kind

@@ -1,0 +1,245 @@
+import math
+
+import pytest
+import torch
+from _inputs import batches, make_mask
+from hypothesis import given
+from hypothesis import strategies as st
+
+from refppo.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    compute_entropy_loss,
+    compute_policy_loss,
+    compute_ppo_penalty_loss,
+    compute_value_loss,
+)
+
+
+def ref_agg(loss, mask, mode):
+    """Plain float64 aggregation over lists of lists."""
+    rows = [[l for l, m in zip(lr, mr) if m == 1] for lr, mr in zip(loss, mask)]
+    tokens = [x for r in rows for x in r]
+    if mode == "token-mean":
+        return sum(tokens) / len(tokens)
+    if mode == "token-sum":
+        return sum(tokens)
+    if mode == "seq-mean-token-sum-norm":
+        return sum(tokens) / len(loss[0])
+    seqs = [sum(r) if mode == "seq-mean-token-sum" else sum(r) / len(r) for r in rows if r]
+    return sum(seqs) / len(seqs)
+
+
+def ref_policy_token_loss(old, new, a, low, high, c):
+    """The clipped (and dual-clipped) per-token loss, written from the formula."""
+    ratio = math.exp(min(max(new - old, -20.0), 20.0))
+    clipped = min(max(ratio, 1 - low), 1 + high)
+    loss = max(-a * ratio, -a * clipped)
+    was_clipped = -a * clipped > -a * ratio
+    lower = False
+    if c is not None and a < 0:
+        lower = loss > -a * c
+        loss = min(loss, -a * c)
+    return loss, was_clipped, lower
+
+
+def random_policy_inputs(gen, batch, length):
+    old = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3
+    new = old + torch.randn(batch, length, generator=gen, dtype=torch.float64) * 0.6
+    adv = torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    return old, new, adv
+
+
+@given(
+    batches(),
+    st.sampled_from(LOSS_AGG_MODES),
+    st.sampled_from([(0.2, None, None), (0.2, 0.2, 0.28), (0.1, 0.3, 0.05)]),
+    st.sampled_from([None, 3.0, 1.5]),
+)
+def test_policy_loss_matches_formula(b, mode, clips, clip_c):
+    gen, batch, length, kind = b
+    mask = make_mask(kind, batch, length, gen)
+    old, new, adv = random_policy_inputs(gen, batch, length)
+    eps, lo, hi = clips
+    low, high = (eps if lo is None else lo), (eps if hi is None else hi)
+    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+        old, new, adv, mask, eps, lo, hi, clip_c, mode
+    )
+    per_token = [[ref_policy_token_loss(o, n, a, low, high, clip_c) for o, n, a in zip(*rows)]
+                 for rows in zip(old.tolist(), new.tolist(), adv.tolist())]
+    m = mask.tolist()
+    assert loss.item() == pytest.approx(ref_agg([[x[0] for x in r] for r in per_token], m, mode), abs=1e-9)
+    assert clipfrac.item() == pytest.approx(ref_agg([[float(x[1]) for x in r] for r in per_token], m, "token-mean"), abs=1e-7)
+    assert clipfrac_lower.item() == pytest.approx(ref_agg([[float(x[2]) for x in r] for r in per_token], m, "token-mean"), abs=1e-7)
+    kl = [[o - n for o, n in zip(ro, rn)] for ro, rn in zip(old.tolist(), new.tolist())]
+    assert ppo_kl.item() == pytest.approx(ref_agg(kl, m, "token-mean"), abs=1e-7)
+
+
+def test_worked_example_from_seed_004():
+    # old -2.0, new -1.5: ratio exp(0.5) = 1.6487, A = 0.5, eps 0.2 -> max(-0.824, -0.6) = -0.6
+    loss, clipfrac, ppo_kl, _ = compute_policy_loss(
+        torch.tensor([[-2.0]]), torch.tensor([[-1.5]]), torch.tensor([[0.5]]), torch.ones(1, 1), clip_ratio=0.2
+    )
+    assert loss.item() == pytest.approx(-0.6)
+    assert clipfrac.item() == 1.0 and ppo_kl.item() == pytest.approx(-0.5)
+
+
+def grad_wrt_log_prob(log_ratio, a, clip_c=3.0, eps=0.2):
+    new = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
+    loss, *_ = compute_policy_loss(torch.zeros(1, 1, dtype=torch.float64), new, torch.tensor([[a]], dtype=torch.float64),
+                                   torch.ones(1, 1), clip_ratio=eps, clip_ratio_c=clip_c)
+    loss.backward()
+    return loss.item(), new.grad.item()
+
+
+@pytest.mark.parametrize(
+    "ratio, a, clipped",
+    [
+        (1.5, 1.0, True),    # A > 0, ratio above 1 + eps: no more push up
+        (1.1, 1.0, False),   # A > 0, inside the band
+        (0.5, 1.0, False),   # A > 0, below 1 - eps: still pushed up (the min picks the unclipped term)
+        (0.5, -1.0, True),   # A < 0, ratio below 1 - eps: no more push down
+        (0.9, -1.0, False),  # A < 0, inside the band
+        (2.0, -1.0, False),  # A < 0, above 1 + eps (below c): still pushed down
+    ],
+)
+def test_six_cases_gradients(ratio, a, clipped):
+    loss, g = grad_wrt_log_prob(math.log(ratio), a, clip_c=None)
+    if clipped:
+        assert g == 0.0
+    else:
+        # d(-A * ratio) / d log_prob = -A * ratio
+        assert g == pytest.approx(-a * ratio, rel=1e-9)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    a = -1.0
+    loss, g = grad_wrt_log_prob(math.log(5.0), a, clip_c=3.0)
+    assert loss == pytest.approx(-a * 3.0) and g == 0.0   # capped at -c * A = 3, no gradient
+    loss, g = grad_wrt_log_prob(math.log(5.0), a, clip_c=None)
+    assert loss == pytest.approx(5.0) and g == pytest.approx(5.0)   # without it the loss grows with the ratio
+    loss, g = grad_wrt_log_prob(math.log(5.0), 1.0, clip_c=3.0)
+    assert loss == pytest.approx(-1.2) and g == 0.0   # A > 0: dual-clip does nothing
+
+
+def test_first_step_ratio_one_gives_plain_policy_gradient():
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    new = old.clone().requires_grad_()
+    adv = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    loss, clipfrac, ppo_kl, _ = compute_policy_loss(old, new, adv, torch.ones(3, 4))
+    loss.backward()
+    assert clipfrac.item() == 0.0 and ppo_kl.item() == 0.0
+    torch.testing.assert_close(new.grad, -adv / 12)
+
+
+def test_rollout_is_weights_scale_each_token():
+    gen = torch.Generator().manual_seed(1)
+    old, new, adv = random_policy_inputs(gen, 2, 5)
+    w = torch.rand(2, 5, generator=gen, dtype=torch.float64)
+    mask = torch.ones(2, 5)
+    base = [[ref_policy_token_loss(o, n, a, 0.2, 0.2, 3.0)[0] for o, n, a in zip(*r)]
+            for r in zip(old.tolist(), new.tolist(), adv.tolist())]
+    weighted = [[x * wi for x, wi in zip(rb, rw)] for rb, rw in zip(base, w.tolist())]
+    loss, *_ = compute_policy_loss(old, new, adv, mask, rollout_is_weights=w)
+    assert loss.item() == pytest.approx(ref_agg(weighted, mask.tolist(), "token-mean"), abs=1e-12)
+
+
+@given(batches(), st.sampled_from(["kl", "low_var_kl", "mse"]))
+def test_ppo_penalty_loss_matches_formula(b, est):
+    gen, batch, length, kind = b
+    mask = make_mask(kind, batch, length, gen)
+    old, new, adv = random_policy_inputs(gen, batch, length)
+    loss, kl = compute_ppo_penalty_loss(old, new, adv, mask, kl_coef=0.3, kl_penalty=est)
+
+    def kl_old_new(o, n):  # samples come from pi_old: KL(old || new), ratio r = new / old
+        if est == "kl":
+            return o - n
+        if est == "mse":
+            return 0.5 * (o - n) ** 2
+        return math.exp(n - o) - 1 - (n - o)
+
+    per = [[-a * math.exp(n - o) + 0.3 * kl_old_new(o, n) for o, n, a in zip(*r)]
+           for r in zip(old.tolist(), new.tolist(), adv.tolist())]
+    kls = [[kl_old_new(o, n) for o, n in zip(*r)] for r in zip(old.tolist(), new.tolist())]
+    assert loss.item() == pytest.approx(ref_agg(per, mask.tolist(), "token-mean"), abs=1e-9)
+    assert kl.item() == pytest.approx(ref_agg(kls, mask.tolist(), "token-mean"), abs=1e-7)
+
+
+@given(batches(), st.sampled_from([None, 0.2, 0.5]), st.sampled_from(LOSS_AGG_MODES))
+def test_value_loss_matches_formula(b, clip, mode):
+    gen, batch, length, kind = b
+    mask = make_mask(kind, batch, length, gen)
+    vpreds, returns, values = (torch.randn(batch, length, generator=gen, dtype=torch.float64) for _ in range(3))
+    loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, clip, mode)
+    per, frac = [], []
+    for rv, rr, ro in zip(vpreds.tolist(), returns.tolist(), values.tolist()):
+        pr, fr = [], []
+        for v, r, o in zip(rv, rr, ro):
+            l1 = (v - r) ** 2
+            l2 = l1 if clip is None else (min(max(v, o - clip), o + clip) - r) ** 2
+            pr.append(max(l1, l2))
+            fr.append(float(l2 > l1))
+        per.append(pr)
+        frac.append(fr)
+    assert loss.item() == pytest.approx(0.5 * ref_agg(per, mask.tolist(), mode), abs=1e-9)
+    assert clipfrac.item() == pytest.approx(ref_agg(frac, mask.tolist(), "token-mean"), abs=1e-7)
+
+
+def test_value_clip_stops_gradient_outside_band():
+    # deepspeed-chat / 003.9: the max picks the clipped error when the new value ran past the band.
+    vpreds = torch.tensor([[2.0]], requires_grad=True)
+    loss, clipfrac = compute_value_loss(vpreds, torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * 4.0) and vpreds.grad.item() == pytest.approx(2.0)
+    vpreds = torch.tensor([[2.0]], requires_grad=True)
+    loss, clipfrac = compute_value_loss(vpreds, torch.tensor([[3.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * 1.8**2) and vpreds.grad.item() == 0.0 and clipfrac.item() == 1.0
+
+
+@given(batches(), st.sampled_from(LOSS_AGG_MODES))
+def test_agg_loss_matches_plain_loops(b, mode):
+    gen, batch, length, kind = b
+    mask = make_mask(kind, batch, length, gen)
+    loss_mat = torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    loss_mat[mask == 0] = float("nan")  # padding must not leak
+    assert agg_loss(loss_mat, mask, mode).item() == pytest.approx(ref_agg(loss_mat.tolist(), mask.tolist(), mode), abs=1e-9)
+
+
+def test_entropy_loss_matches_formula():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 3, 6, generator=gen)
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
+    ent = []
+    for row in logits.double().tolist():
+        er = []
+        for z in row:
+            p = [math.exp(x) / sum(math.exp(y) for y in z) for x in z]
+            er.append(-sum(pi * math.log(pi) for pi in p))
+        ent.append(er)
+    assert compute_entropy_loss(logits, mask).item() == pytest.approx(ref_agg(ent, mask.tolist(), "token-mean"), abs=1e-5)
+
+
+def test_loss_bad_input():
+    x, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        compute_policy_loss(x, x, x, m, clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'; valid: seq-mean-token-mean"):
+        compute_policy_loss(x, x, x, m, loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        compute_policy_loss(x, torch.zeros(2, 4), x, m)
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        compute_value_loss(x, x, x, m * 2, 0.2)
+    with pytest.raises(ValueError, match="fewer than 1 valid"):
+        compute_policy_loss(x, x, x, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="advantages contains NaN"):
+        compute_policy_loss(x, x, torch.full((2, 3), float("nan")), m)
+    with pytest.raises(ValueError, match="cliprange_value"):
+        compute_value_loss(x, x, x, m, 0.0)
+    with pytest.raises(ValueError, match="clip_ratio_low"):
+        compute_policy_loss(x, x, x, m, clip_ratio=1.2)
+    with pytest.raises(ValueError, match="kl_coef"):
+        compute_ppo_penalty_loss(x, x, x, m, kl_coef=-1.0)
+    with pytest.raises(ValueError, match="does not match response_mask"):
+        compute_entropy_loss(torch.zeros(2, 4, 5), m)
