@@ -89,7 +89,7 @@ class FixedKLController:
     def __init__(self, kl_coef: float):
         self.value = float(kl_coef)
 
-    def update(self, current_kl: float, n_steps: int) -> None:
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Does nothing: beta stays fixed."""
 
 
@@ -108,7 +108,7 @@ class AdaptiveKLController:
         self.target = float(target_kl)
         self.horizon = float(horizon)
 
-    def update(self, current_kl: float, n_steps: int) -> None:
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Move beta toward the target KL; ``n_steps`` is the number of samples in the batch."""
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon

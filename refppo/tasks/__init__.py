@@ -1,0 +1,1 @@
+"""Offline toy tasks: small environments whose quantities the chapters can compute exactly."""
