@@ -157,7 +157,7 @@ def test_ppo_penalty_loss_matches_formula(b, est):
             return o - n
         if est == "mse":
             return 0.5 * (o - n) ** 2
-        return math.exp(n - o) - 1 - (n - o)
+        return min(math.exp(n - o) - 1 - (n - o), 10.0)  # k3, clamped at 10 as verl does
 
     per = [[-a * math.exp(n - o) + 0.3 * kl_old_new(o, n) for o, n, a in zip(*r)]
            for r in zip(old.tolist(), new.tolist(), adv.tolist())]
