@@ -49,6 +49,7 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -
         (batch, T) tensor of the same dtype.
     """
     rows, length = x.shape
+    discount = torch.as_tensor(discount, dtype=x.dtype, device=x.device)  # a float or a 0-dim tensor
     k = max(1, math.isqrt(length))
     n_blocks = -(-length // k)
     xb = torch.nn.functional.pad(x, (0, n_blocks * k - length)).view(rows, n_blocks, k)

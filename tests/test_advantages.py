@@ -118,6 +118,16 @@ def test_discounted_reverse_cumsum_matches_loop(length, discount, seed):
             assert y[i, t].item() == pytest.approx(acc, abs=1e-10)
 
 
+def test_gamma_and_lam_may_be_tensors():
+    gen = torch.Generator().manual_seed(6)
+    r, v = torch.randn(2, 9, generator=gen), torch.randn(2, 9, generator=gen)
+    m = torch.ones(2, 9)
+    a1, r1 = compute_gae_advantage_return(r, v, m, 0.99, 0.95)
+    a2, r2 = compute_gae_advantage_return(r, v, m, torch.tensor(0.99, dtype=torch.float64), torch.tensor(0.95))
+    torch.testing.assert_close(r1, r2)
+    torch.testing.assert_close(a1, a2)
+
+
 def test_gae_bad_input():
     r, v, m = torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError, match="shape mismatch"):
