@@ -95,14 +95,13 @@ class TokenMDP:
 
     def responses(self) -> dict[str, torch.Tensor]:
         """Every possible complete response, as a batch (see ``sample`` for the keys)."""
-        done = []
-        frontier = [()]
-        while frontier:
-            prefix = frontier.pop()
-            for a in range(self.num_actions):
-                seq = prefix + (a,)
-                (done if a == self.eos or len(seq) == self.horizon else frontier).append(seq)
-        return self._batch(sorted(done, key=lambda s: (len(s), s)))
+        done = [
+            self.states[s] + (a,)
+            for s in range(self.num_states)
+            for a in range(self.num_actions)
+            if self.next_state(s, a) < 0
+        ]
+        return self._batch(sorted(done, key=lambda seq: (len(seq), seq)))
 
     def sample(self, logits: torch.Tensor, n: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """Sample ``n`` responses from the tabular policy softmax(logits).
