@@ -93,6 +93,19 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened
 
 
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a 0/1 mask (0 for a row with none).
+
+    Args:
+        mask: (batch, T) 0/1 tensor.
+
+    Returns:
+        (batch,) int64 indices.
+    """
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return (mask.long() * positions).argmax(dim=-1)
+
+
 def _chunk_rows(vocab: int, chunk_size: int | None) -> int:
     return chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // vocab)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from refppo.checks import check_ndim, check_same_shape, check_values
-from refppo.functional import masked_mean
+from refppo.functional import last_valid_index, masked_mean
 from refppo.kl import kl_penalty as kl_penalty_fn
 
 
@@ -33,8 +33,7 @@ def place_score_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor)
         finite={"scores": scores},
         min_valid=("the emptiest row of response_mask", row_tokens.min(), 1),
     )
-    positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
-    last = (response_mask.long() * positions).argmax(dim=-1)  # the last position holding a 1
+    last = last_valid_index(response_mask)
     dtype = torch.promote_types(scores.dtype, torch.float32)
     out = torch.zeros(response_mask.shape, dtype=dtype, device=scores.device)
     return out.scatter_(1, last[:, None], scores.to(dtype)[:, None])

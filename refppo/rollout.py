@@ -1,0 +1,399 @@
+"""Rollouts (ch 5): sampling responses with their log-probs, and the per-token quantities the
+other three models compute for them.
+
+A batch is a dict of tensors on the model's device (B = prompts x ``n``, P = prompt width,
+R = response width):
+
+- ``prompts`` (B, P): left-padded prompt ids; ``responses`` (B, R): right-padded with pad;
+- ``input_ids``, ``attention_mask``, ``position_ids`` (B, P + R): the full sequences;
+- ``response_mask`` (B, R): 1 on every generated token up to and including the first EOS;
+- ``rollout_log_probs`` (B, R) float32: log-prob of each sampled token at sampling time;
+- ``is_truncated`` (B,) bool: the response never emitted EOS; ``index`` (B,) int64: the
+  prompt each row answers (GRPO/RLOO groups).
+
+Position ``P - 1 + t`` of a sequence is the state before response token ``t``: its logits
+predict token ``t`` and its value is ``values[:, t]``. The reward model reads its score at
+the last valid response token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval
+from refppo.functional import last_valid_index, logprobs_and_entropy_from_logits, logprobs_from_logits
+from refppo.models import autocast
+
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token-id lists into a left-padded batch.
+
+    Args:
+        sequences: N lists of token ids, each non-empty.
+        pad_token_id: the id written into padding.
+
+    Returns:
+        (input_ids (N, L) int64, attention_mask (N, L) int64), L the longest length.
+    """
+    if len(sequences) == 0:
+        raise ValueError("no prompts: the prompt list is empty")
+    for i, seq in enumerate(sequences):
+        if len(seq) == 0:
+            raise ValueError(f"prompt {i} has no tokens")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, width - len(seq) :] = 1
+    return ids, mask
+
+
+def tokenize_prompts(
+    tokenizer, prompts: Sequence[str], max_prompt_length: int | None = None, truncation: str = "error"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize prompt texts into a left-padded batch (with the tokenizer's special tokens).
+
+    Args:
+        tokenizer: a tokenizer prepared by ``refppo.models.prepare_tokenizer``.
+        prompts: N texts.
+        max_prompt_length: longest allowed prompt in tokens; None for no limit.
+        truncation: what a longer prompt gets (verl's ``data.truncation``): "error", or keep
+            its "left" part, or its "right" part (the end, next to the response).
+
+    Returns:
+        (input_ids (N, L) int64, attention_mask (N, L) int64).
+    """
+    check_choice("truncation", truncation, TRUNCATION_MODES)
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be a list of texts, got one string")
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    if max_prompt_length is not None:
+        for i, seq in enumerate(ids):
+            if len(seq) > max_prompt_length:
+                if truncation == "error":
+                    raise ValueError(
+                        f"prompt {i} has {len(seq)} tokens, more than max_prompt_length={max_prompt_length} "
+                        "(raise the limit or set truncation to 'left' or 'right')"
+                    )
+                ids[i] = seq[:max_prompt_length] if truncation == "left" else seq[-max_prompt_length:]
+    return left_pad(ids, tokenizer.pad_token_id)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only attended tokens, so left padding does not shift them.
+
+    Args:
+        attention_mask: (B, L) 0/1.
+
+    Returns:
+        (B, L) int64: 0 for the first real token of each row (and for the padding before it).
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. (B, V) -> (B, V)."""
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token while the mass before it is below top_p: the smallest set reaching top_p.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    do_sample: bool = True,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row and its log-prob under softmax(logits / temperature).
+
+    The log-prob is that of the full temperature-scaled distribution, which is what training
+    recomputes; top-k / top-p only restrict which tokens can be drawn (as in verl with vLLM).
+
+    Args:
+        logits: (B, V) next-token logits.
+        temperature: > 0.
+        top_k: keep the k most likely tokens; <= 0 keeps all.
+        top_p: keep the smallest set of most likely tokens with mass >= top_p; 1 keeps all.
+        do_sample: False picks the argmax (greedy, for evaluation).
+        generator: random source for sampling.
+
+    Returns:
+        (tokens (B,) int64, log_probs (B,) float32).
+    """
+    scaled = logits.float() / temperature
+    if do_sample:
+        probs = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    else:
+        tokens = scaled.argmax(dim=-1)
+    return tokens, logprobs_from_logits(logits, tokens, temperature)
+
+
+def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n):
+    check_ndim("prompts", prompts, 2)
+    check_same_shape(prompts=prompts, attention_mask=attention_mask)
+    if prompts.shape[0] == 0:
+        raise ValueError("no prompts: the prompt batch is empty")
+    if pad_token_id in eos:
+        raise ValueError(
+            f"pad_token_id {pad_token_id} is an EOS id: padding would read as an end of response "
+            "(see refppo.models.prepare_tokenizer)"
+        )
+    if max_new_tokens < 1 or n < 1:
+        raise ValueError(f"max_new_tokens and n must be >= 1, got {max_new_tokens} and {n}")
+    if not float(temperature) > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_unit_interval("top_p", top_p)
+    if top_p == 0:
+        raise ValueError("top_p must be > 0")
+    mask = attention_mask.long()
+    bad = ((mask != 0) & (mask != 1)).any() | (mask.diff(dim=1) < 0).any() | (mask[:, -1] != 1).any()
+    if bool(bad):
+        raise ValueError(
+            "attention_mask must be 0/1 with prompts left-padded (every row ends with a real token)"
+        )
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: torch.Tensor,
+    attention_mask: torch.Tensor,
+    eos_token_id: int | Sequence[int],
+    pad_token_id: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    do_sample: bool = True,
+    ignore_eos: bool = False,
+    n: int = 1,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """Sample responses token by token with a KV cache, recording each token's log-prob.
+
+    A row stops at its first EOS (the EOS is part of the response and of ``response_mask``);
+    later slots hold pad with mask 0 and log-prob 0. Decoding stops early once every row has
+    stopped, so R <= ``max_new_tokens``.
+
+    Args:
+        model: a causal LM (or the reference view of a LoRA actor).
+        prompts: (N, P) left-padded prompt ids.
+        attention_mask: (N, P) 0/1, 0 on the left padding.
+        eos_token_id: one id or several (any of them ends a response).
+        pad_token_id: id for response padding; must not be an EOS id.
+        max_new_tokens: the longest response.
+        temperature, top_k, top_p, do_sample: see :func:`sample_next_token`.
+        ignore_eos: fixed-length mode (benchmarks): every response gets ``max_new_tokens``
+            valid tokens, EOS or not.
+        n: samples per prompt (``rollout.n``); copies of a prompt are adjacent rows.
+        generator: random source for sampling.
+
+    Returns:
+        The batch dict described in the module docstring, B = N * n rows.
+    """
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n)
+    device = model.device
+    prompts = prompts.to(device).repeat_interleave(n, dim=0)
+    prompt_mask = attention_mask.to(device).long().repeat_interleave(n, dim=0)
+    eos_ids = torch.tensor(eos, device=device)
+    batch = prompts.shape[0]
+
+    positions = position_ids_from_mask(prompt_mask)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    hit_eos = torch.zeros_like(done)
+    tokens, valid, log_probs = [], [], []
+    with autocast(device):
+        out = model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache_mask, next_pos = prompt_mask, positions[:, -1:]
+    for step in range(max_new_tokens):
+        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
+        is_valid = ~done
+        token = token.masked_fill(done, pad_token_id)
+        tokens.append(token)
+        valid.append(is_valid)
+        log_probs.append(logp.masked_fill(done, 0.0))
+        hit_eos |= is_valid & torch.isin(token, eos_ids)
+        if not ignore_eos:
+            done = hit_eos
+        if step == max_new_tokens - 1 or (not ignore_eos and bool(done.all())):
+            break
+        # Finished rows keep decoding pad; their outputs are discarded.
+        cache_mask = torch.cat([cache_mask, torch.ones_like(cache_mask[:, :1])], dim=1)
+        next_pos = next_pos + 1
+        with autocast(device):
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=cache_mask,
+                position_ids=next_pos,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+
+    responses = torch.stack(tokens, dim=1)
+    response_mask = torch.stack(valid, dim=1).long()
+    full_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": full_mask,
+        "position_ids": position_ids_from_mask(full_mask),
+        "response_mask": response_mask,
+        "rollout_log_probs": torch.stack(log_probs, dim=1),
+        "is_truncated": ~hit_eos,
+        "index": torch.arange(prompts.shape[0] // n, device=device).repeat_interleave(n),
+    }
+
+
+def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int | None) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive row slices of a batch dict (every tensor sliced on dim 0).
+
+    Args:
+        batch: dict of tensors with a common first dimension B.
+        micro_batch_size: rows per slice; None for the whole batch in one.
+
+    Yields:
+        dicts of the same keys with at most ``micro_batch_size`` rows.
+    """
+    rows = next(iter(batch.values())).shape[0]
+    size = rows if micro_batch_size is None else micro_batch_size
+    if size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    for start in range(0, rows, size):
+        yield {k: v[start : start + size] for k, v in batch.items()}
+
+
+def _forward(model, batch: dict[str, torch.Tensor], **kwargs):
+    device = model.device
+    with autocast(device):
+        return model(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            position_ids=batch["position_ids"].to(device),
+            use_cache=False,
+            **kwargs,
+        )
+
+
+def response_log_probs(
+    model, batch: dict[str, torch.Tensor], temperature: float = 1.0, calculate_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass: log-probs (and entropies) of the response tokens, with gradients.
+
+    Args:
+        model: a causal LM.
+        batch: needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,
+            ``response_mask``.
+        temperature: the rollout's temperature.
+        calculate_entropy: also return the entropy of each next-token distribution.
+
+    Returns:
+        (log_probs (B, R) float32, entropy (B, R) float32 or None), 0 at padding.
+    """
+    mask = batch["response_mask"].to(model.device).bool()
+    width = mask.shape[1]
+    # logits at positions P-1 .. P+R-2 predict response tokens 0 .. R-1.
+    logits = _forward(model, batch, logits_to_keep=width + 1).logits[:, :-1]
+    labels = batch["responses"].to(model.device)
+    if calculate_entropy:
+        log_probs, entropy = logprobs_and_entropy_from_logits(logits, labels, temperature)
+        return log_probs.masked_fill(~mask, 0.0), entropy.masked_fill(~mask, 0.0)
+    return logprobs_from_logits(logits, labels, temperature).masked_fill(~mask, 0.0), None
+
+
+def response_values(critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One forward pass of a scalar-head model: the value of the state before each response token.
+
+    Args:
+        critic: a model from ``refppo.models.load_value_model``.
+        batch: needs ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``.
+
+    Returns:
+        (B, R) float32 values, 0 at padding, with gradients.
+    """
+    mask = batch["response_mask"].to(critic.device).bool()
+    width = mask.shape[1]
+    values = _forward(critic, batch).logits[:, -width - 1 : -1, 0].float()
+    return values.masked_fill(~mask, 0.0)
+
+
+@torch.no_grad()
+def compute_log_probs(
+    model,
+    batch: dict[str, torch.Tensor],
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+    calculate_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Old or reference log-probs of the responses, micro-batched, without gradients.
+
+    Args:
+        model: the actor (old log-probs) or the reference.
+        batch: a rollout batch.
+        temperature: the rollout's temperature.
+        micro_batch_size: rows per forward pass (bounds activation memory); None for all.
+        calculate_entropy: also return entropies.
+
+    Returns:
+        (B, R) float32 log-probs, 0 at padding; with ``calculate_entropy`` a (log_probs,
+        entropy) pair.
+    """
+    parts = [response_log_probs(model, mb, temperature, calculate_entropy) for mb in micro_batches(batch, micro_batch_size)]
+    log_probs = torch.cat([p[0] for p in parts])
+    if calculate_entropy:
+        return log_probs, torch.cat([p[1] for p in parts])
+    return log_probs
+
+
+@torch.no_grad()
+def compute_values(critic, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None) -> torch.Tensor:
+    """The critic's values of a rollout, micro-batched, without gradients.
+
+    Args:
+        critic: a scalar-head model.
+        batch: a rollout batch.
+        micro_batch_size: rows per forward pass; None for all.
+
+    Returns:
+        (B, R) float32 values, ``values[:, t]`` = V(state before response token t), 0 at padding.
+    """
+    return torch.cat([response_values(critic, mb) for mb in micro_batches(batch, micro_batch_size)])
+
+
+@torch.no_grad()
+def compute_scores(reward_model, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None) -> torch.Tensor:
+    """Reward-model scores, read at each sequence's last valid response token (its EOS if any).
+
+    Args:
+        reward_model: a scalar-head model.
+        batch: a rollout batch; every row needs a valid response token.
+        micro_batch_size: rows per forward pass; None for all.
+
+    Returns:
+        (B,) float32 scores.
+    """
+    scores = []
+    for mb in micro_batches(batch, micro_batch_size):
+        mask = mb["response_mask"].to(reward_model.device)
+        if bool((mask.sum(dim=-1) == 0).any()):
+            raise ValueError("a response has no valid token: the reward model has nothing to score")
+        out = _forward(reward_model, mb).logits[:, -mask.shape[1] :, 0].float()
+        scores.append(out.gather(1, last_valid_index(mask)[:, None]).squeeze(1))
+    return torch.cat(scores)

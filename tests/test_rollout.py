@@ -1,0 +1,301 @@
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from refppo.models import load_causal_lm, load_value_model, tiny_config
+from refppo.rollout import (
+    compute_log_probs,
+    compute_scores,
+    compute_values,
+    generate,
+    left_pad,
+    micro_batches,
+    position_ids_from_mask,
+    sample_next_token,
+    tokenize_prompts,
+)
+from refppo.tasks.tokenizer import build_tokenizer
+
+PROMPTS = ["12+34=", "7*8=", "999+1=", "hello, world:"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    torch.manual_seed(0)
+    config = tiny_config(tok)
+    return load_causal_lm(config), load_value_model(config), load_value_model(config)
+
+
+def _rollout(tok, actor, prompts=PROMPTS, **kw):
+    ids, mask = tokenize_prompts(tok, prompts)
+    kw = {"max_new_tokens": 12, "generator": torch.Generator().manual_seed(0), **kw}
+    return generate(actor, ids, mask, tok.eos_token_id, tok.pad_token_id, **kw)
+
+
+def _rows(batch):
+    """Each row's unpadded prompt ids and valid response ids, as Python lists."""
+    for i in range(batch["prompts"].shape[0]):
+        prompt = batch["prompts"][i][batch["attention_mask"][i, : batch["prompts"].shape[1]].bool()].tolist()
+        response = batch["responses"][i][batch["response_mask"][i].bool()].tolist()
+        yield prompt, response
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=8, top_p=0.9, n=3), dict(temperature=1.3, do_sample=False)],
+)
+def test_first_ratio_is_one(tok, models, kw):
+    """Recomputed old log-probs equal the rollout's (CPU float32), at any micro-batch size."""
+    actor = models[0]
+    batch = _rollout(tok, actor, **kw)
+    for mbs in (None, 1, 5):
+        old = compute_log_probs(actor, batch, kw["temperature"], micro_batch_size=mbs)
+        assert (old - batch["rollout_log_probs"]).abs().max().item() <= 1e-5
+    assert torch.all(batch["rollout_log_probs"][batch["response_mask"] == 0] == 0)
+
+
+def test_log_probs_values_scores_read_the_right_positions(tok, models):
+    """Against a plain reference: each quantity from a forward pass over the unpadded prefix."""
+    actor, critic, rm = models
+    batch = _rollout(tok, actor, temperature=0.9)
+    log_probs, entropy = compute_log_probs(actor, batch, 0.9, calculate_entropy=True)
+    values, scores = compute_values(critic, batch), compute_scores(rm, batch)
+    with torch.no_grad():
+        for i, (prompt, response) in enumerate(_rows(batch)):
+            for t, token in enumerate(response):
+                prefix = torch.tensor([prompt + response[:t]])
+                logits = actor(prefix).logits[0, -1].double() / 0.9
+                logp = logits.log_softmax(-1)
+                assert math.isclose(log_probs[i, t].item(), logp[token].item(), abs_tol=1e-5)
+                ent = -(logp.exp() * logp).sum().item()
+                assert math.isclose(entropy[i, t].item(), ent, abs_tol=1e-5)
+                # V(state before token t): the critic's output at the last position of the prefix.
+                assert math.isclose(values[i, t].item(), critic(prefix).logits[0, -1, 0].item(), abs_tol=1e-5)
+            whole = torch.tensor([prompt + response])
+            assert math.isclose(scores[i].item(), rm(whole).logits[0, -1, 0].item(), abs_tol=1e-5)
+            width = batch["responses"].shape[1]
+            assert torch.all(values[i, len(response) :] == 0) and len(response) <= width
+
+
+def test_padding_invariance(tok, models):
+    """One prompt, alone or padded inside batches of different widths: same greedy responses,
+    log-probs, values and scores."""
+    actor, critic, rm = models
+    target = "7*8="
+    layouts = [[target], [target, "1234567890+1234567890="], ["hello, world: 5+5=", "1=", target]]
+    results = []
+    for prompts in layouts:
+        batch = _rollout(tok, actor, prompts=prompts, do_sample=False, max_new_tokens=10)
+        i = prompts.index(target)
+        results.append(
+            dict(
+                response=batch["responses"][i][batch["response_mask"][i].bool()],
+                log_probs=compute_log_probs(actor, batch, 1.0)[i],
+                values=compute_values(critic, batch)[i],
+                score=compute_scores(rm, batch)[i],
+            )
+        )
+    first = results[0]
+    for other in results[1:]:
+        assert torch.equal(other["response"], first["response"])
+        n = len(first["response"])
+        for key in ("log_probs", "values"):
+            torch.testing.assert_close(other[key][:n], first[key][:n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(other["score"], first["score"], rtol=0, atol=1e-5)
+
+
+class ScriptedLM(torch.nn.Module):
+    """Emits script[row, step] at each step (greedy), whatever the input."""
+
+    def __init__(self, script, vocab):
+        super().__init__()
+        self.script, self.vocab, self.prompt_width = script, vocab, None
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    @property
+    def device(self):
+        return self.anchor.device
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, past_key_values=None, logits_to_keep=0):
+        if past_key_values is None:
+            self.prompt_width = attention_mask.shape[1]
+        step = attention_mask.shape[1] - self.prompt_width
+        logits = torch.full((input_ids.shape[0], 1, self.vocab), -10.0)
+        logits[torch.arange(input_ids.shape[0]), 0, self.script[:, step]] = 10.0
+        return SimpleNamespace(logits=logits, past_key_values="cache")
+
+
+def test_eos_and_padding_rules(tok):
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    script = torch.tensor(
+        [
+            [eos, a, a, a, a, a],  # EOS at step 0: 1 valid token
+            [a, b, a, eos, b, b],  # EOS at step 3: 4 valid tokens
+            [a, a, a, a, a, a],  # never: truncated
+            [b, eos, eos, a, a, a],  # only the first EOS counts
+        ]
+    )
+    model = ScriptedLM(script, len(tok))
+    ids, mask = left_pad([[1, 5], [1], [1, 6, 7], [1, 8]], pad)
+    batch = generate(model, ids, mask, eos, pad, max_new_tokens=5, do_sample=False)
+    assert batch["response_mask"].sum(1).tolist() == [1, 4, 5, 2]
+    assert batch["is_truncated"].tolist() == [False, False, True, False]
+    assert batch["responses"].tolist() == [
+        [eos, pad, pad, pad, pad],
+        [a, b, a, eos, pad],
+        [a, a, a, a, a],
+        [b, eos, pad, pad, pad],
+    ]
+    # Fixed-length mode: every slot is valid, EOS or not; a row without EOS is still marked.
+    fixed = generate(model, ids, mask, eos, pad, max_new_tokens=5, do_sample=False, ignore_eos=True)
+    assert fixed["response_mask"].sum(1).tolist() == [5, 5, 5, 5]
+    assert fixed["responses"].tolist() == script[:, :5].tolist()
+    assert fixed["is_truncated"].tolist() == [False, False, True, False]
+    # Decoding stops as soon as every row is done.
+    short = generate(model, ids[:1], mask[:1], eos, pad, max_new_tokens=5, do_sample=False)
+    assert short["responses"].shape == (1, 1)
+    # Several EOS ids: any of them ends a response.
+    multi = generate(model, ids, mask, [eos, b], pad, max_new_tokens=5, do_sample=False)
+    assert multi["response_mask"].sum(1).tolist() == [1, 2, 5, 1]
+
+
+def test_batch_layout(tok, models):
+    batch = _rollout(tok, models[0], n=2, max_new_tokens=6)
+    rows, width = 2 * len(PROMPTS), batch["responses"].shape[1]
+    p = batch["prompts"].shape[1]
+    assert batch["index"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert torch.equal(batch["prompts"][0], batch["prompts"][1])
+    assert batch["input_ids"].shape == (rows, p + width)
+    assert torch.equal(batch["input_ids"][:, p:], batch["responses"])
+    assert torch.equal(batch["attention_mask"][:, p:], batch["response_mask"])
+    for i, (prompt, response) in enumerate(_rows(batch)):
+        n_valid = len(prompt) + len(response)
+        pos = batch["position_ids"][i][batch["attention_mask"][i].bool()]
+        assert pos.tolist() == list(range(n_valid))
+        assert torch.all(batch["responses"][i, len(response) :] == tok.pad_token_id)
+
+
+def test_same_generator_seed_same_rollout(tok, models):
+    one = _rollout(tok, models[0], n=2)
+    two = _rollout(tok, models[0], n=2)
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+
+
+def test_sampling_filters_match_a_plain_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40)
+    gen = torch.Generator().manual_seed(0)
+    for top_k, top_p in [(5, 1.0), (-1, 0.6), (10, 0.5), (1, 1.0)]:
+        probs = (logits.double() / 0.8).softmax(-1)
+        allowed = []
+        for row in probs:
+            order = row.argsort(descending=True).tolist()
+            if top_k > 0:
+                order = order[:top_k]
+            kept, mass = [], 0.0
+            total = sum(row[j].item() for j in order)
+            for j in order:  # nucleus over the top-k renormalised distribution
+                if mass >= top_p:
+                    break
+                kept.append(j)
+                mass += row[j].item() / total
+            allowed.append(set(kept))
+        seen = [set() for _ in range(6)]
+        for _ in range(200):
+            tokens, logp = sample_next_token(logits, 0.8, top_k, top_p, True, gen)
+            for i, t in enumerate(tokens.tolist()):
+                seen[i].add(t)
+                assert math.isclose(logp[i].item(), math.log(probs[i, t].item()), abs_tol=1e-5)
+        for i in range(6):
+            assert seen[i] <= allowed[i]
+            if len(allowed[i]) <= 3:
+                assert seen[i] == allowed[i]
+    greedy, _ = sample_next_token(logits, 1.0, do_sample=False)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_position_ids_and_micro_batches():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5]]
+    batch = {"a": torch.arange(7), "b": torch.arange(14).view(7, 2)}
+    parts = list(micro_batches(batch, 3))
+    assert [len(p["a"]) for p in parts] == [3, 3, 1]
+    assert torch.equal(torch.cat([p["b"] for p in parts]), batch["b"])
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
+        list(micro_batches(batch, 0))
+
+
+def test_prompt_length_limit(tok):
+    with pytest.raises(ValueError, match="prompt 1 has 7 tokens, more than max_prompt_length=5"):
+        tokenize_prompts(tok, ["1+1=", "12+34="], max_prompt_length=5)
+    ids, mask = tokenize_prompts(tok, ["1+1=", "12+34="], max_prompt_length=5, truncation="right")
+    assert tok.decode(ids[1]) == "2+34="
+    ids, _ = tokenize_prompts(tok, ["12+34="], max_prompt_length=5, truncation="left")
+    assert tok.decode(ids[0]) == "<bos>12+3"
+    with pytest.raises(ValueError, match="unknown truncation 'middle'"):
+        tokenize_prompts(tok, ["1"], max_prompt_length=5, truncation="middle")
+
+
+def test_bad_input(tok, models):
+    actor = models[0]
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    with pytest.raises(ValueError, match="the prompt list is empty"):
+        tokenize_prompts(tok, [])
+    with pytest.raises(ValueError, match="one string"):
+        tokenize_prompts(tok, "1+1=")
+    with pytest.raises(ValueError, match="prompt 0 has no tokens"):
+        left_pad([[]], pad)
+    ids, mask = tokenize_prompts(tok, ["1+1=", "12+34="])
+    with pytest.raises(ValueError, match="pad_token_id 2 is an EOS id"):
+        generate(actor, ids, mask, [eos], eos, 4)
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(actor, ids, mask.flip(1), eos, pad, 4)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        generate(actor, ids, mask, eos, pad, 4, temperature=0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        generate(actor, ids, mask, eos, pad, 4, top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens and n must be >= 1"):
+        generate(actor, ids, mask, eos, pad, 0)
+    with pytest.raises(ValueError, match="the prompt batch is empty"):
+        generate(actor, ids[:0], mask[:0], eos, pad, 4)
+    batch = _rollout(tok, actor, prompts=["1+1="])
+    batch["response_mask"] = torch.zeros_like(batch["response_mask"])
+    with pytest.raises(ValueError, match="nothing to score"):
+        compute_scores(models[2], batch)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_invariants(tok):
+    """On CUDA the forward passes autocast to bf16: the first ratio is 1 up to bf16 noise
+    (decode-with-cache and full-sequence kernels round differently), padding invariance holds
+    to the same tolerance, and log-probs stay float32."""
+    torch.manual_seed(0)
+    config = tiny_config(tok)
+    actor = load_causal_lm(config, device="cuda")
+    critic = load_value_model(config, device="cuda")
+    batch = _rollout(tok, actor, n=4, generator=torch.Generator("cuda").manual_seed(0), temperature=0.8)
+    assert batch["responses"].is_cuda and batch["rollout_log_probs"].dtype == torch.float32
+    old = compute_log_probs(actor, batch, 0.8, micro_batch_size=3)
+    assert old.dtype == torch.float32
+    diff = (old - batch["rollout_log_probs"]).abs()[batch["response_mask"].bool()]
+    assert diff.max().item() <= 0.05 and diff.mean().item() <= 0.01
+    values = compute_values(critic, batch)
+    assert values.dtype == torch.float32 and values.is_cuda
+    alone = _rollout(tok, actor, prompts=["7*8="], do_sample=False, generator=None)
+    padded = _rollout(tok, actor, prompts=["hello, world: 5+5=", "7*8="], do_sample=False, generator=None)
+    # bf16 rounding may flip a near-tie argmax; compare the common prefix, which must be non-empty.
+    same = (alone["responses"][0] == padded["responses"][1][: alone["responses"].shape[1]]).long().cumprod(0)
+    n = int(same.sum())
+    assert n >= 1
+    lp_alone = compute_log_probs(actor, alone, 1.0)[0, :n]
+    lp_padded = compute_log_probs(actor, padded, 1.0)[1, :n]
+    torch.testing.assert_close(lp_padded, lp_alone, rtol=0, atol=0.05)
