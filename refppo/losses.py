@@ -72,6 +72,29 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     return _agg_loss(loss_mat, loss_mask, loss_agg_mode)
 
 
+def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Weight of a micro-batch's aggregated loss in its mini-batch's, for gradient accumulation.
+
+    With w = agg_loss_weight(micro_mask, mini_mask, mode), the sum over the micro-batches of
+    w * agg_loss(micro) equals agg_loss(mini) exactly: token-mean weighs by the share of
+    valid tokens, sequence means by the share of non-empty rows, sums by 1.
+
+    Args:
+        micro_mask: (micro, T) 0/1, rows of the mini-batch.
+        mini_mask: (mini, T) 0/1, the whole mini-batch (same T).
+
+    Returns:
+        Scalar tensor.
+    """
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    dtype = torch.promote_types(micro_mask.dtype, torch.float32)
+    if loss_agg_mode in ("token-sum", "seq-mean-token-sum-norm"):
+        return torch.ones((), dtype=dtype, device=micro_mask.device)
+    if loss_agg_mode == "token-mean":
+        return micro_mask.sum().to(dtype) / mini_mask.sum()
+    return (micro_mask.sum(dim=-1) > 0).sum().to(dtype) / (mini_mask.sum(dim=-1) > 0).sum()
+
+
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

@@ -43,7 +43,7 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
         raise ValueError("no prompts: the prompt list is empty")
     for i, seq in enumerate(sequences):
         if len(seq) == 0:
-            raise ValueError(f"prompt {i} has no tokens")
+            raise ValueError(f"sequence {i} has no tokens")
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -377,6 +377,24 @@ def compute_values(critic, batch: dict[str, torch.Tensor], micro_batch_size: int
     return torch.cat([response_values(critic, mb) for mb in micro_batches(batch, micro_batch_size)])
 
 
+def response_scores(reward_model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One forward pass of a scalar-head model: the score at each row's last valid response token.
+
+    Args:
+        reward_model: a scalar-head model.
+        batch: needs ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``;
+            every row needs a valid response token.
+
+    Returns:
+        (B,) float32 scores, with gradients.
+    """
+    mask = batch["response_mask"].to(reward_model.device)
+    if bool((mask.sum(dim=-1) == 0).any()):
+        raise ValueError("a response has no valid token: the reward model has nothing to score")
+    out = _forward(reward_model, batch).logits[:, -mask.shape[1] :, 0].float()
+    return out.gather(1, last_valid_index(mask)[:, None]).squeeze(1)
+
+
 @torch.no_grad()
 def compute_scores(reward_model, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None) -> torch.Tensor:
     """Reward-model scores, read at each sequence's last valid response token (its EOS if any).
@@ -389,11 +407,36 @@ def compute_scores(reward_model, batch: dict[str, torch.Tensor], micro_batch_siz
     Returns:
         (B,) float32 scores.
     """
-    scores = []
-    for mb in micro_batches(batch, micro_batch_size):
-        mask = mb["response_mask"].to(reward_model.device)
-        if bool((mask.sum(dim=-1) == 0).any()):
-            raise ValueError("a response has no valid token: the reward model has nothing to score")
-        out = _forward(reward_model, mb).logits[:, -mask.shape[1] :, 0].float()
-        scores.append(out.gather(1, last_valid_index(mask)[:, None]).squeeze(1))
-    return torch.cat(scores)
+    return torch.cat([response_scores(reward_model, mb) for mb in micro_batches(batch, micro_batch_size)])
+
+
+def build_batch(tokenizer, prompts: Sequence[str], responses: Sequence[str], add_eos: bool = True) -> dict[str, torch.Tensor]:
+    """A batch in the rollout layout from given texts (for SFT, reward-model pairs, tests).
+
+    Args:
+        tokenizer: a prepared tokenizer.
+        prompts: N prompt texts (tokenized with the tokenizer's special tokens, left-padded).
+        responses: N response texts (tokenized without special tokens, right-padded).
+        add_eos: end each response with EOS, as a finished rollout does.
+
+    Returns:
+        dict with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
+        ``position_ids``, ``response_mask`` (see the module docstring).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    response_lists = [tokenizer(r, add_special_tokens=False)["input_ids"] + eos for r in responses]
+    # Right padding is left padding of the reversed lists, reversed back.
+    flipped, flipped_mask = left_pad([seq[::-1] for seq in response_lists], tokenizer.pad_token_id)
+    response_ids, response_mask = flipped.flip(1), flipped_mask.flip(1)
+    full_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "prompts": prompt_ids,
+        "responses": response_ids,
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
+        "attention_mask": full_mask,
+        "position_ids": position_ids_from_mask(full_mask),
+        "response_mask": response_mask,
+    }

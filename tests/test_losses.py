@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refppo.losses import (
+    agg_loss_weight,
     LOSS_AGG_MODES,
     agg_loss,
     compute_entropy_loss,
@@ -243,3 +244,19 @@ def test_loss_bad_input():
         compute_ppo_penalty_loss(x, x, x, m, kl_coef=-1.0)
     with pytest.raises(ValueError, match="does not match response_mask"):
         compute_entropy_loss(torch.zeros(2, 4, 5), m)
+
+
+@given(batches(), st.sampled_from(["ragged", "holes", "with_empty_rows"]), st.integers(1, 4))
+def test_micro_batch_weights_rebuild_the_mini_batch_loss(b, kind, n_micro):
+    """Gradient accumulation: sum of weight * agg_loss(micro) == agg_loss(mini), every mode."""
+    gen, batch, length, _ = b
+    mask = make_mask(kind, batch, length, gen)
+    loss_mat = torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    for mode in LOSS_AGG_MODES:
+        whole = agg_loss(loss_mat, mask, mode)
+        total = 0.0
+        for rows in torch.arange(batch).tensor_split(n_micro):
+            if len(rows) == 0 or mask[rows].sum() == 0:
+                continue  # a micro-batch with no valid token contributes nothing
+            total += (agg_loss_weight(mask[rows], mask, mode) * agg_loss(loss_mat[rows], mask[rows], mode)).item()
+        assert math.isclose(total, whole.item(), rel_tol=1e-9, abs_tol=1e-12), mode

@@ -252,7 +252,7 @@ def test_bad_input(tok, models):
         tokenize_prompts(tok, [])
     with pytest.raises(ValueError, match="one string"):
         tokenize_prompts(tok, "1+1=")
-    with pytest.raises(ValueError, match="prompt 0 has no tokens"):
+    with pytest.raises(ValueError, match="sequence 0 has no tokens"):
         left_pad([[]], pad)
     ids, mask = tokenize_prompts(tok, ["1+1=", "12+34="])
     with pytest.raises(ValueError, match="pad_token_id 2 is an EOS id"):

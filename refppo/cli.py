@@ -1,0 +1,209 @@
+"""The ``refppo`` command: ``refppo sft|rm|ppo [section.key=value ...]``.
+
+Each command writes a run folder (``trainer.output_dir``) with ``config.json``,
+``metrics.jsonl`` and its model(s) saved with ``save_pretrained`` (the tokenizer beside them), so
+the next stage takes ``model.path=<run>/model``. Examples (the offline arithmetic pipeline)::
+
+    refppo sft trainer.output_dir=runs/sft
+    refppo ppo model.path=runs/sft/model trainer.output_dir=runs/ppo
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from refppo.config import Config, apply_overrides, validate
+from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
+from refppo.runs import RunFolder
+from refppo.tasks import arithmetic, preference
+from refppo.tasks.tokenizer import build_tokenizer
+
+COMMANDS = ("sft", "rm", "ppo")
+
+
+def _device(config: Config) -> torch.device:
+    name = config.trainer.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def load_tokenizer(path: str | None):
+    """The tokenizer saved beside a model, or the offline tasks' character tokenizer."""
+    if path is not None and os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        return prepare_tokenizer(AutoTokenizer.from_pretrained(path))
+    return build_tokenizer()
+
+
+def load_records(path: str, prompt_key: str) -> list[dict]:
+    """Prompt records from a JSONL or Parquet file; each needs ``prompt_key``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file {path!r} does not exist")
+    if path.endswith(".parquet"):
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
+        records = pd.read_parquet(path).to_dict("records")
+    else:
+        records = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
+    for n, rec in enumerate(records, 1):
+        if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
+            raise ValueError(f"{path}: record {n} has no string field {prompt_key!r} (data.prompt_key)")
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+def load_reward_fn(spec: str):
+    """Import ``package.module:function``."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"reward_model.reward_fn={spec!r} must look like package.module:function")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"reward_model.reward_fn={spec!r}: {module} has no function {name!r}")
+    return fn
+
+
+def _task_data(config: Config) -> tuple[list[dict], list[dict], object]:
+    """(train records, held-out records, default reward function) of ``data.task``."""
+    d = config.data
+    if d.task == "arithmetic":
+        train, held = arithmetic.make_problems(n_heldout=d.val_size)
+        as_records = lambda ps: [{"prompt": p.prompt, "answer": p.answer} for p in ps]  # noqa: E731
+        return as_records(train), as_records(held), arithmetic.exact_match_reward
+    if d.task == "preference":
+        return preference.make_prompts(4000, seed=1), preference.make_prompts(d.val_size, seed=2), preference.gold_reward
+    train = load_records(d.train_files, d.prompt_key)
+    val = load_records(d.val_files, d.prompt_key) if d.val_files else train[: d.val_size]
+    return train, val, None
+
+
+def _sft_examples(config: Config) -> list[tuple[str, str]]:
+    if config.data.task == "arithmetic":
+        train, _ = arithmetic.make_problems(n_heldout=config.data.val_size)
+        return [(p.prompt, p.answer) for p in train[: config.sft.n_examples]]
+    if config.data.task == "preference":
+        return preference.make_sft_examples(config.sft.n_examples or 4000, seed=3)
+    raise ValueError("refppo sft builds its data from data.task=arithmetic or preference")
+
+
+def _save_model(model, tokenizer, folder: Path) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def run_sft(config: Config, make_run) -> None:
+    from refppo.sft import train_sft
+
+    tokenizer = load_tokenizer(config.model.path)
+    m = config.model
+    source = m.path or tiny_config(
+        tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
+    )
+    torch.manual_seed(config.trainer.seed)
+    model = load_causal_lm(source, tokenizer, _device(config))
+    s, examples = config.sft, _sft_examples(config)
+    run = make_run()
+    train_sft(model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log)
+    _save_model(model, tokenizer, run.path / "model")
+
+
+def run_rm(config: Config, make_run) -> None:
+    from refppo.reward_model import center_reward_model, train_reward_model
+
+    if config.data.task != "preference":
+        raise ValueError("refppo rm trains on synthetic comparisons: set data.task=preference")
+    if config.model.path is None:
+        raise ValueError("refppo rm starts from the SFT model: set model.path=<sft run>/model")
+    tokenizer = load_tokenizer(config.model.path)
+    torch.manual_seed(config.trainer.seed)
+    rm = load_value_model(config.model.path, tokenizer, _device(config))
+    r = config.rm
+    pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
+    run = make_run()
+    train_reward_model(rm, tokenizer, pairs, r.steps, r.batch_size, r.lr, config.trainer.seed, run.log)
+    if r.center:
+        prompts, responses = zip(*preference.make_sft_examples(512, seed=config.trainer.seed + 20))
+        center_reward_model(rm, tokenizer, list(prompts), list(responses))
+    _save_model(rm, tokenizer, run.path / "model")
+
+
+def run_ppo(config: Config, make_run) -> None:
+    from refppo.trainer import PPOTrainer, fit
+
+    if config.model.path is None:
+        raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
+    device = _device(config)
+    tokenizer = load_tokenizer(config.model.path)
+    train, val, task_reward = _task_data(config)
+    torch.manual_seed(config.trainer.seed)
+    actor = load_causal_lm(config.model.path, tokenizer, device)
+    if config.model.lora_rank > 0:
+        actor = add_lora(actor, config.model.lora_rank, config.model.lora_alpha)
+    critic = None
+    if config.algorithm.adv_estimator == "gae":
+        critic = load_value_model(config.critic.model.path or config.model.path, tokenizer, device)
+    rm_cfg = config.reward_model
+    reward_model = None
+    if rm_cfg.enable:
+        reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device))
+    reward_fn = load_reward_fn(rm_cfg.reward_fn) if rm_cfg.reward_fn else task_reward
+    if reward_fn is None and reward_model is None:
+        raise ValueError("data.task=file needs reward_model.reward_fn=package.module:function or reward_model.enable=true")
+    # With a learned reward, the task's own rule is the gold score: report it, never train on it.
+    extras = {"gold": task_reward} if reward_model is not None and task_reward is not None else None
+    trainer = PPOTrainer(
+        config, tokenizer, actor, critic, train, val, reward_fn=reward_fn, reward_model=reward_model, extra_reward_fns=extras
+    )
+    run = make_run()
+    step = run.latest_step() if config.trainer.resume else None
+    if step is not None:
+        trainer.load_state_dict(torch.load(run.checkpoint_dir(step) / "trainer_state.pt", weights_only=False))
+    if config.trainer.tensorboard:
+        run.enable_tensorboard()
+    fit(trainer, run, config.trainer.progress_bar)
+    _save_model(actor, tokenizer, run.path / "actor")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``refppo sft|rm|ppo [key=value ...]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__, file=sys.stderr)
+        print(f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]", file=sys.stderr)
+        return 2
+    command, overrides = argv[0], argv[1:]
+    config = Config()
+    config.trainer.output_dir = f"runs/{command}"
+    validate(apply_overrides(config, overrides))
+    out, resume = config.trainer.output_dir, config.trainer.resume
+    if not resume and os.path.isdir(out) and os.listdir(out):
+        RunFolder(out, config)  # raises before any work: a run is never written over another
+    # Each command loads everything that can fail (models, data, reward function) first and
+    # only then creates the run folder.
+    {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, lambda: RunFolder(out, config, resume))
+    print(f"run written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Reward-model training (ch 5): Bradley-Terry on pairwise comparisons.
+
+P(chosen preferred over rejected) = sigmoid(r_chosen - r_rejected); the loss is its negative
+log-likelihood, -log sigmoid(r_chosen - r_rejected), averaged over pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from refppo.rollout import build_batch, compute_scores, response_scores
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean -log sigmoid(chosen - rejected), and the accuracy (chosen scored higher).
+
+    Args:
+        chosen: (P,) scores of the preferred responses.
+        rejected: (P,) scores of the other responses.
+
+    Returns:
+        (loss scalar, accuracy scalar, detached).
+    """
+    if chosen.shape != rejected.shape or chosen.dim() != 1:
+        raise ValueError(f"chosen and rejected must be matching (P,) tensors, got {tuple(chosen.shape)}, {tuple(rejected.shape)}")
+    margin = chosen - rejected
+    return -F.logsigmoid(margin).mean(), (margin > 0).float().mean().detach()
+
+
+def train_reward_model(
+    reward_model, tokenizer, comparisons: list[tuple[str, str, str]], steps: int, batch_size: int, lr: float, seed: int = 0, log=None
+) -> list[dict[str, float]]:
+    """Train a scalar-head model on (prompt, chosen, rejected) texts with AdamW.
+
+    Args:
+        reward_model: from ``refppo.models.load_value_model`` (e.g. initialised from the SFT model).
+        tokenizer: a prepared tokenizer.
+        comparisons: (prompt, chosen response, rejected response) triples.
+        steps, batch_size, lr: optimisation; pairs are drawn without replacement per epoch.
+        seed: data order.
+        log: optional ``log(step, metrics)``.
+
+    Returns:
+        Per-step ``{"rm/loss", "rm/accuracy"}``.
+    """
+    if not comparisons:
+        raise ValueError("no comparisons to train the reward model on")
+    optimizer = torch.optim.AdamW(reward_model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    history = []
+    reward_model.train()
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:
+            order += torch.randperm(len(comparisons), generator=gen).tolist()
+        idx, order = order[:batch_size], order[batch_size:]
+        prompts, chosen, rejected = zip(*(comparisons[i] for i in idx))
+        # One forward pass over chosen and rejected together.
+        scores = response_scores(reward_model, build_batch(tokenizer, prompts * 2, chosen + rejected))
+        loss, acc = bradley_terry_loss(scores[: len(idx)], scores[len(idx) :])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reward_model.parameters(), 1.0)
+        optimizer.step()
+        metrics = {"rm/loss": loss.item(), "rm/accuracy": acc.item()}
+        history.append(metrics)
+        if log is not None:
+            log(step, metrics)
+    reward_model.eval()
+    return history
+
+
+@torch.no_grad()
+def center_reward_model(reward_model, tokenizer, prompts: list[str], responses: list[str]) -> float:
+    """Shift the head's bias so these (SFT) samples score 0 on average; returns the shift."""
+    mean = compute_scores(reward_model, build_batch(tokenizer, prompts, responses)).mean().item()
+    reward_model.score.bias.sub_(mean)
+    return -mean

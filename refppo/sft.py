@@ -1,0 +1,79 @@
+"""Supervised fine-tuning (ch 5): the masked next-token loss on responses only.
+
+The batch has the rollout layout (``refppo.rollout.build_batch``), so the loss is the negative
+mean log-prob of the response tokens (EOS included) that PPO later computes the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refppo.losses import agg_loss
+from refppo.rollout import build_batch, response_log_probs
+
+
+def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean negative log-likelihood of the valid response tokens (prompt tokens are not trained).
+
+    Args:
+        model: a causal LM.
+        batch: rollout-layout batch (``input_ids``, ``attention_mask``, ``position_ids``,
+            ``responses``, ``response_mask``).
+
+    Returns:
+        Scalar loss (token-mean over the batch).
+    """
+    log_probs, _ = response_log_probs(model, batch, temperature=1.0)
+    return -agg_loss(log_probs, batch["response_mask"].to(log_probs.device), "token-mean")
+
+
+def train_sft(
+    model,
+    tokenizer,
+    examples: list[tuple[str, str]],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    log=None,
+) -> list[dict[str, float]]:
+    """Train ``model`` on (prompt, response) pairs with AdamW and a cosine schedule.
+
+    Args:
+        model: a causal LM (trained in place).
+        tokenizer: a prepared tokenizer.
+        examples: (prompt, response) texts; each response gets EOS appended.
+        steps: optimiser steps.
+        batch_size: examples per step, drawn without replacement within an epoch.
+        lr: peak learning rate.
+        seed: data order.
+        log: optional ``log(step, metrics)`` called every step.
+
+    Returns:
+        Per-step metrics ``{"sft/loss", "sft/lr"}``.
+    """
+    if not examples:
+        raise ValueError("no SFT examples")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    gen = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    history = []
+    model.train()
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:
+            order += torch.randperm(len(examples), generator=gen).tolist()
+        idx, order = order[:batch_size], order[batch_size:]
+        prompts, responses = zip(*(examples[i] for i in idx))
+        loss = sft_loss(model, build_batch(tokenizer, prompts, responses))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        metrics = {"sft/loss": loss.item(), "sft/lr": schedule.get_last_lr()[0]}
+        schedule.step()
+        history.append(metrics)
+        if log is not None:
+            log(step, metrics)
+    model.eval()
+    return history

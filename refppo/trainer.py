@@ -1,0 +1,522 @@
+"""The RLHF PPO loop (ch 5, 6): one step in the notes' three phases.
+
+1. Generate: the actor samples ``rollout.n`` responses per prompt, recording their log-probs.
+2. Evaluate: scores (reward model or rule), reference and old log-probs, values, token-level
+   rewards (KL in the reward when ``algorithm.use_kl_in_reward``), advantages.
+3. Update: ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation) for
+   the critic and the actor, each with its own optimiser, gradient clipping and LR schedule.
+
+The reward model and the reference are frozen. Metrics use verl's names and are gathered once
+per step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from refppo.advantages import get_adv_estimator_fn
+from refppo.config import Config, OptimConfig
+from refppo.functional import masked_mean, masked_var
+from refppo.kl import get_kl_controller, kl_penalty
+from refppo.losses import agg_loss, agg_loss_weight, compute_policy_loss, compute_ppo_penalty_loss, compute_value_loss
+from refppo.models import make_reference
+from refppo.rewards import apply_kl_penalty, place_score_on_last_token
+from refppo.rollout import (
+    compute_log_probs,
+    compute_scores,
+    compute_values,
+    generate,
+    micro_batches,
+    response_log_probs,
+    response_values,
+    tokenize_prompts,
+)
+
+RewardFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
+
+
+class PromptSampler:
+    """Epochs over a list of records, each in a seeded random order; state is (epoch, cursor).
+
+    Args:
+        records: dicts holding at least the prompt.
+        batch_size: records per batch.
+        seed: the order of epoch e is a permutation drawn from seed + e.
+    """
+
+    def __init__(self, records: list[dict], batch_size: int, seed: int):
+        if not records:
+            raise ValueError("the prompt dataset is empty")
+        self.records, self.batch_size, self.seed = records, batch_size, seed
+        self.epoch, self.cursor = 0, 0
+
+    def _order(self) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.records), generator=gen).tolist()
+
+    def next_batch(self) -> list[dict]:
+        """The next ``batch_size`` records (an epoch boundary continues into the next epoch)."""
+        out = []
+        while len(out) < self.batch_size:
+            order = self._order()
+            take = order[self.cursor : self.cursor + self.batch_size - len(out)]
+            out += [self.records[i] for i in take]
+            self.cursor += len(take)
+            if self.cursor == len(order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+
+def make_optimizer(params, optim: OptimConfig, total_steps: int):
+    """AdamW and a LambdaLR schedule: linear warm-up, then constant or cosine to 0 at ``total_steps``.
+
+    Returns:
+        (optimizer, scheduler); the scheduler steps once per training step.
+    """
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < optim.lr_warmup_steps:
+            return (step + 1) / optim.lr_warmup_steps
+        if optim.lr_scheduler == "cosine":
+            done = (step - optim.lr_warmup_steps) / max(1, total_steps - optim.lr_warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def check_scores(scores, rows: int, source: str) -> torch.Tensor:
+    """A reward function's output as a (rows,) float32 tensor, or a ValueError naming ``source``."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    if scores.shape != (rows,):
+        raise ValueError(f"{source} returned shape {tuple(scores.shape)}; expected ({rows},), one score per response")
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError(f"{source} returned a non-finite score (NaN or inf)")
+    return scores
+
+
+class PPOTrainer:
+    """Four-model PPO (or GRPO / RLOO without a critic) for a causal LM.
+
+    Args:
+        config: the run's Config (validated).
+        tokenizer: a prepared tokenizer (pad distinct from EOS).
+        actor: the causal LM to train (a peft model for LoRA), initialised from the SFT model.
+        critic: a scalar-head model; required when ``algorithm.adv_estimator == "gae"``.
+        train_records, val_records: prompt dicts (``data.prompt_key`` plus whatever the reward
+            function reads, e.g. "answer").
+        reward_fn: ``fn(prompts, responses, records) -> (B,)`` scores, used when no reward model.
+        reward_model: a frozen scalar-head model; takes precedence over ``reward_fn``.
+        reference: the frozen reference; by default ``make_reference(actor)``.
+        extra_reward_fns: name -> reward function reported (never trained on) for rollouts as
+            ``reward/<name>/mean`` and at validation as ``val/<name>``, e.g. a gold reward.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        tokenizer,
+        actor,
+        critic,
+        train_records: list[dict],
+        val_records: list[dict],
+        reward_fn: RewardFn | None = None,
+        reward_model=None,
+        reference=None,
+        extra_reward_fns: dict[str, RewardFn] | None = None,
+    ):
+        c = config
+        if reward_fn is None and reward_model is None:
+            raise ValueError("PPOTrainer needs a reward_fn or a reward_model")
+        self.use_critic = c.algorithm.adv_estimator == "gae"
+        if self.use_critic and critic is None:
+            raise ValueError("algorithm.adv_estimator=gae needs a critic")
+        self.config, self.tokenizer, self.actor, self.critic = c, tokenizer, actor, critic
+        self.reward_fn, self.reward_model = reward_fn, reward_model
+        self.extra_reward_fns = extra_reward_fns or {}
+        self.val_records = val_records
+        self.device = actor.device
+        self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
+        self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
+        self.sampler = PromptSampler(train_records, c.data.train_batch_size, c.trainer.seed)
+        self.kl_ctrl = get_kl_controller(
+            c.algorithm.kl_ctrl.type, c.algorithm.kl_ctrl.kl_coef, c.algorithm.kl_ctrl.target_kl, c.algorithm.kl_ctrl.horizon
+        )
+        total = c.trainer.total_training_steps
+        self.actor_params = [p for p in actor.parameters() if p.requires_grad]
+        self.actor_opt, self.actor_sched = make_optimizer(self.actor_params, c.actor.optim, total)
+        if self.use_critic:
+            self.critic_params = [p for p in critic.parameters() if p.requires_grad]
+            self.critic_opt, self.critic_sched = make_optimizer(self.critic_params, c.critic.optim, total)
+        self.gen = torch.Generator(self.device).manual_seed(c.trainer.seed)  # sampling
+        self.shuffle_gen = torch.Generator().manual_seed(c.trainer.seed + 1)  # mini-batch order
+        self.step = 0
+        self.last_update_stats: list[dict[str, float]] = []  # per actor mini-batch, for inspection
+
+    # ---- phase 1: generate -------------------------------------------------------------
+    def generate(self, records: list[dict], n: int, do_sample: bool = True) -> dict[str, torch.Tensor]:
+        """Roll out ``n`` responses for each record's prompt (see ``refppo.rollout.generate``)."""
+        c = self.config
+        prompts = [r[c.data.prompt_key] for r in records]
+        ids, mask = tokenize_prompts(self.tokenizer, prompts, c.data.max_prompt_length, c.data.truncation)
+        return generate(
+            self.actor,
+            ids,
+            mask,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+            c.data.max_response_length,
+            temperature=c.rollout.temperature,
+            top_k=c.rollout.top_k,
+            top_p=c.rollout.top_p,
+            do_sample=do_sample,
+            n=n,
+            generator=self.gen,
+        )
+
+    def _texts(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        decode = self.tokenizer.batch_decode
+        responses = batch["responses"].masked_fill(batch["response_mask"] == 0, self.tokenizer.pad_token_id)
+        return decode(batch["prompts"], skip_special_tokens=True), decode(responses, skip_special_tokens=True)
+
+    def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sequence scores (B,) for training, and the extra (reported-only) scores by name."""
+        texts = None
+        if self.reward_model is not None:
+            scores = compute_scores(self.reward_model, batch, self.config.reward_model.micro_batch_size_per_gpu)
+        else:
+            texts = self._texts(batch)
+            scores = check_scores(self.reward_fn(*texts, rows), len(rows), "the reward function")
+        extras = {}
+        for name, fn in self.extra_reward_fns.items():
+            texts = texts or self._texts(batch)
+            extras[name] = check_scores(fn(*texts, rows), len(rows), f"reward function {name!r}")
+        return scores.to(self.device), extras
+
+    # ---- phase 2: evaluate -------------------------------------------------------------
+    def evaluate(self, batch: dict[str, torch.Tensor], scores: torch.Tensor, timing: dict) -> dict[str, torch.Tensor]:
+        """Add old/ref log-probs, values, token-level scores and rewards, advantages and returns."""
+        c, mask = self.config, batch["response_mask"]
+        temp = c.rollout.temperature
+        stats = {}
+        if self.need_ref:
+            with self._timed(timing, "ref"):
+                batch["ref_log_prob"] = compute_log_probs(self.reference, batch, temp, c.ref.log_prob_micro_batch_size_per_gpu)
+        with self._timed(timing, "old_log_prob"):
+            if c.actor.policy_mode == "bypass":
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            else:
+                batch["old_log_probs"] = compute_log_probs(
+                    self.actor, batch, temp, c.rollout.log_prob_micro_batch_size_per_gpu
+                )
+            if c.actor.policy_mode == "rollout_correction":
+                weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])
+                batch["rollout_is_weights"] = weights.clamp(max=c.actor.rollout_is_threshold) * mask
+        if self.use_critic:
+            with self._timed(timing, "values"):
+                batch["values"] = compute_values(self.critic, batch, c.critic.ppo_micro_batch_size_per_gpu)
+        with self._timed(timing, "adv"):
+            batch["token_level_scores"] = place_score_on_last_token(scores, mask)
+            if c.algorithm.use_kl_in_reward:
+                beta = self.kl_ctrl.value
+                rewards, current_kl = apply_kl_penalty(
+                    batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], mask, beta, c.algorithm.kl_penalty
+                )
+                self.kl_ctrl.update(float(current_kl), n_steps=mask.shape[0])
+                stats.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": torch.tensor(beta)})
+                batch["token_level_rewards"] = rewards
+            else:
+                batch["token_level_rewards"] = batch["token_level_scores"]
+            estimator = get_adv_estimator_fn(c.algorithm.adv_estimator)
+            if self.use_critic:
+                adv, returns = estimator(batch["token_level_rewards"], batch["values"], mask, c.algorithm.gamma, c.algorithm.lam)
+            elif c.algorithm.adv_estimator == "grpo":
+                adv, returns = estimator(
+                    batch["token_level_rewards"], mask, batch["index"], norm_adv_by_std_in_grpo=c.algorithm.norm_adv_by_std_in_grpo
+                )
+            else:
+                adv, returns = estimator(batch["token_level_rewards"], mask, batch["index"])
+            batch["advantages"], batch["returns"] = adv, returns
+        return stats
+
+    # ---- phase 3: update ---------------------------------------------------------------
+    def _minibatch_updates(self, batch, optimizer, params, grad_clip, micro_size, agg_mode, micro_loss, prefix):
+        """ppo_epochs x shuffled mini-batches x micro-batches; returns per-mini-batch stats.
+
+        ``micro_loss(mb) -> (loss, {name: detached scalar})``. Each micro-batch's loss is
+        weighted so the accumulated gradient is the mini-batch loss's gradient exactly; stats
+        are weighted by token share. A step whose gradient norm is not finite is skipped.
+        """
+        c = self.config
+        rows = batch["response_mask"].shape[0]
+        mini_rows = c.actor.ppo_mini_batch_size * c.rollout.n
+        per_mini = []
+        for _ in range(c.actor.ppo_epochs):
+            order = torch.randperm(rows, generator=self.shuffle_gen).to(self.device)
+            for idx in order.split(mini_rows):
+                mini = {k: v[idx] for k, v in batch.items()}
+                optimizer.zero_grad(set_to_none=True)
+                stats: dict[str, torch.Tensor] = {}
+                for mb in micro_batches(mini, micro_size):
+                    loss, micro_stats = micro_loss(mb)
+                    (loss * agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)).backward()
+                    share = mb["response_mask"].sum() / mini["response_mask"].sum()
+                    for k, v in micro_stats.items():
+                        stats[k] = stats.get(k, 0.0) + share * v
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                finite = bool(torch.isfinite(grad_norm))
+                if finite:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                stats[f"{prefix}/grad_norm"] = grad_norm.detach()
+                stats[f"{prefix}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
+                per_mini.append(stats)
+        return per_mini
+
+    def _actor_loss(self, mb):
+        a, temp = self.config.actor, self.config.rollout.temperature
+        mask = mb["response_mask"]
+        log_prob, entropy = response_log_probs(self.actor, mb, temp, calculate_entropy=True)
+        if a.policy_loss == "clip":
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                mb["old_log_probs"],
+                log_prob,
+                mb["advantages"],
+                mask,
+                a.clip_ratio,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_c,
+                a.loss_agg_mode,
+                mb.get("rollout_is_weights"),
+            )
+        else:
+            pg_loss, ppo_kl = compute_ppo_penalty_loss(
+                mb["old_log_probs"], log_prob, mb["advantages"], mask, a.penalty_kl_coef, a.penalty_kl_type, a.loss_agg_mode
+            )
+            clipfrac = clipfrac_lower = torch.zeros((), device=self.device)
+        entropy_mean = agg_loss(entropy, mask, a.loss_agg_mode)
+        loss = pg_loss - a.entropy_coeff * entropy_mean
+        stats = {
+            "actor/pg_loss": pg_loss.detach(),
+            "actor/pg_clipfrac": clipfrac,
+            "actor/ppo_kl": ppo_kl,
+            "actor/pg_clipfrac_lower": clipfrac_lower,
+            "actor/entropy": entropy_mean.detach(),
+        }
+        if a.use_kl_loss:
+            kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode)
+            loss = loss + a.kl_loss_coef * kl_loss
+            stats["actor/kl_loss"] = kl_loss.detach()
+        return loss, stats
+
+    def _critic_loss(self, mb):
+        cc = self.config.critic
+        vpreds = response_values(self.critic, mb)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds, mb["returns"], mb["values"], mb["response_mask"], cc.cliprange_value, cc.loss_agg_mode
+        )
+        return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac}
+
+    # ---- one step ----------------------------------------------------------------------
+    @contextmanager
+    def _timed(self, timing: dict, name: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timing[f"timing_s/{name}"] = time.perf_counter() - start
+
+    def train_step(self) -> dict[str, float]:
+        """Generate, evaluate and update once; returns the step's metrics."""
+        c = self.config
+        timing: dict[str, float] = {}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with self._timed(timing, "step"):
+            records = self.sampler.next_batch()
+            rows = [r for r in records for _ in range(c.rollout.n)]
+            with self._timed(timing, "gen"):
+                batch = self.generate(records, c.rollout.n)
+            with self._timed(timing, "reward"):
+                scores, extras = self.score(batch, rows)
+            stats = self.evaluate(batch, scores, timing)
+            per_mini: list[dict] = []
+            if self.use_critic:
+                self.critic.train()
+                with self._timed(timing, "update_critic"):
+                    per_mini += self._minibatch_updates(
+                        batch, self.critic_opt, self.critic_params, c.critic.grad_clip,
+                        c.critic.ppo_micro_batch_size_per_gpu, c.critic.loss_agg_mode, self._critic_loss, "critic",
+                    )  # fmt: skip
+                self.critic.eval()
+                self.critic_sched.step()
+            actor_minis = []
+            if self.step >= c.trainer.critic_warmup:
+                self.actor.train()
+                with self._timed(timing, "update_actor"):
+                    actor_minis = self._minibatch_updates(
+                        batch, self.actor_opt, self.actor_params, c.actor.grad_clip,
+                        c.actor.ppo_micro_batch_size_per_gpu, c.actor.loss_agg_mode, self._actor_loss, "actor",
+                    )  # fmt: skip
+                self.actor.eval()
+                self.actor_sched.step()
+            per_mini += actor_minis
+            metrics = self._gather(batch, scores, extras, stats, per_mini)
+        self.last_update_stats = [{k: float(v) for k, v in m.items()} for m in actor_minis]
+        self.step += 1
+        metrics.update(timing)
+        tokens = int(batch["attention_mask"].sum())
+        metrics["perf/throughput"] = tokens / timing["timing_s/step"]
+        metrics["perf/max_memory_allocated_gb"] = self._peak_memory_gb()
+        metrics["actor/lr"] = self.actor_opt.param_groups[0]["lr"]
+        if c.actor.use_kl_loss:
+            metrics["actor/kl_coef"] = c.actor.kl_loss_coef
+        return metrics
+
+    def _peak_memory_gb(self) -> float:
+        """CUDA: peak allocated this step. CPU: the process's peak resident set (Linux KiB)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def _gather(self, batch, scores, extras, stats, per_mini) -> dict[str, float]:
+        """All step metrics in one host transfer."""
+        mask = batch["response_mask"]
+        length = mask.sum(-1).float()
+        out = dict(stats)
+        out["critic/score/mean"] = scores.mean()
+        out["critic/rewards/mean"] = batch["token_level_rewards"].sum(-1).mean()
+        out["critic/advantages/mean"] = masked_mean(batch["advantages"], mask)
+        out["critic/returns/mean"] = masked_mean(batch["returns"], mask)
+        if self.use_critic:
+            out["critic/values/mean"] = masked_mean(batch["values"], mask)
+            residual_var = masked_var(batch["returns"] - batch["values"], mask)
+            out["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(batch["returns"], mask) + 1e-5)
+        out["response_length/mean"] = length.mean()
+        out["response_length/clip_ratio"] = (length == self.config.data.max_response_length).float().mean()
+        for name, v in extras.items():
+            out[f"reward/{name}/mean"] = v.mean()
+        keys = sorted({k for m in per_mini for k in m})
+        for k in keys:
+            values = [m[k] for m in per_mini if k in m]
+            out[k] = sum(torch.as_tensor(v, device=self.device, dtype=torch.float32) for v in values) / len(values)
+        names = list(out)
+        flat = torch.stack([torch.as_tensor(out[k], dtype=torch.float32, device=self.device) for k in names]).tolist()
+        return dict(zip(names, flat))
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Held-out prompts, one greedy response each (``val/score``, ``val/<extra>``) and one
+        sampled at the rollout temperature (``val/score_sampled``, what training optimises)."""
+        out = {}
+        for suffix, do_sample in (("", False), ("_sampled", True)):
+            batch = self.generate(self.val_records, n=1, do_sample=do_sample)
+            scores, extras = self.score(batch, self.val_records)
+            out[f"val/score{suffix}"] = scores.mean()
+            out |= {f"val/{k}{suffix}": v.mean() for k, v in extras.items()}
+            out[f"val/response_length{suffix}"] = batch["response_mask"].sum(-1).float().mean()
+        return {k: float(v) for k, v in out.items()}
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue exactly: weights, optimisers, schedulers,
+        the KL controller, the data position, every random generator and the step."""
+        state = {
+            "step": self.step,
+            "actor": self.actor.state_dict(),
+            "actor_opt": self.actor_opt.state_dict(),
+            "actor_sched": self.actor_sched.state_dict(),
+            "kl_ctrl": vars(self.kl_ctrl).copy(),
+            "sampler": self.sampler.state_dict(),
+            "gen": self.gen.get_state(),
+            "shuffle_gen": self.shuffle_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if self.use_critic:
+            state |= {
+                "critic": self.critic.state_dict(),
+                "critic_opt": self.critic_opt.state_dict(),
+                "critic_sched": self.critic_sched.state_dict(),
+            }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.step = state["step"]
+        self.actor.load_state_dict(state["actor"])
+        self.actor_opt.load_state_dict(state["actor_opt"])
+        self.actor_sched.load_state_dict(state["actor_sched"])
+        vars(self.kl_ctrl).update(state["kl_ctrl"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.gen.set_state(state["gen"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        if self.use_critic:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_opt"])
+            self.critic_sched.load_state_dict(state["critic_sched"])
+
+
+def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[str, float]]:
+    """Train to ``trainer.total_training_steps``, validating every ``test_freq`` steps (and at
+    step 0, the SFT level), logging one metrics line per step and checkpointing every
+    ``save_freq`` steps and at the end.
+
+    Args:
+        trainer: a PPOTrainer, possibly restored from a checkpoint.
+        run: a ``refppo.runs.RunFolder``; None keeps everything in memory.
+        progress_bar: show tqdm with score, KL and step time.
+
+    Returns:
+        The metrics of the steps run (each with its "step").
+    """
+    from tqdm.auto import tqdm
+
+    t = trainer.config.trainer
+    history = []
+
+    def record(step: int, metrics: dict[str, float]) -> None:
+        history.append({"step": step, **metrics})
+        if run is not None:
+            run.log(step, metrics)
+
+    if trainer.step == 0 and t.test_freq > 0:
+        record(0, trainer.validate())
+    bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not progress_bar, desc="ppo")
+    while trainer.step < t.total_training_steps:
+        metrics = trainer.train_step()
+        step = trainer.step
+        last = step == t.total_training_steps
+        if t.test_freq > 0 and (step % t.test_freq == 0 or last):
+            metrics.update(trainer.validate())
+        record(step, metrics)
+        if run is not None and ((t.save_freq > 0 and step % t.save_freq == 0) or last):
+            run.save_checkpoint(step, lambda folder: torch.save(trainer.state_dict(), folder / "trainer_state.pt"))
+        kl = metrics.get("actor/ppo_kl", float("nan"))
+        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", kl=f"{kl:.4f}", step_s=f"{metrics['timing_s/step']:.2f}")
+        bar.update(1)
+    bar.close()
+    return history

@@ -1,0 +1,116 @@
+"""The refppo command and run folders (refppo.cli, refppo.runs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from refppo.cli import main
+from refppo.config import Config
+from refppo.runs import RunFolder
+
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1"]
+QUICK_PPO = [
+    "trainer.total_training_steps=2", "trainer.test_freq=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+    "data.val_size=8", "trainer.progress_bar=false", "data.max_response_length=4", "trainer.critic_warmup=0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "sft"
+    assert main(["sft", f"trainer.output_dir={out}", "sft.steps=3", "sft.batch_size=8", *TINY]) == 0
+    return out
+
+
+def test_sft_writes_a_run_folder(sft_run):
+    assert json.loads((sft_run / "config.json").read_text())["sft"]["steps"] == 3
+    lines = [json.loads(ln) for ln in (sft_run / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2, 3] and "sft/loss" in lines[0]
+    assert (sft_run / "model" / "config.json").exists() and (sft_run / "model" / "tokenizer_config.json").exists()
+
+
+def test_ppo_run_resume_and_refusal(sft_run, tmp_path):
+    out = tmp_path / "ppo"
+    args = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", *QUICK_PPO]
+    assert main(args) == 0
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [0, 1, 2] and "val/score" in lines[0] and "actor/pg_loss" in lines[2]
+    assert (out / "latest").read_text() == "2" and (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
+    assert (out / "actor" / "config.json").exists()
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        main(args)
+    assert (out / "metrics.jsonl").read_text() == before  # untouched
+    # Resume to step 3: the first lines stay, one line is added.
+    assert main(args + ["trainer.resume=true", "trainer.total_training_steps=3"]) == 0
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [0, 1, 2, 3]
+
+
+def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20)))
+    out = tmp_path / "ppo_file"
+    args = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={data}", *QUICK_PPO]
+    assert main(args + ["reward_model.reward_fn=refppo.tasks.arithmetic:exact_match_reward"]) == 0
+    assert (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, error, message",
+    [
+        (["data.train_files=/nowhere/x.jsonl"], FileNotFoundError, "does not exist"),
+        (["data.train_files={bad}"], ValueError, "line 2|:2 is not valid JSON"),
+        (["data.train_files={nokey}"], ValueError, "record 1 has no string field 'prompt'"),
+        (["data.train_files={good}", "reward_model.reward_fn=refppo.tasks.arithmetic:nothing"], ValueError, "has no function 'nothing'"),
+        (["data.train_files={good}", "reward_model.reward_fn=nocolon"], ValueError, "package.module:function"),
+        (["data.train_files={good}"], ValueError, "needs reward_model.reward_fn"),
+    ],
+)
+def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_path, extra, error, message):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json}\n')
+    (tmp_path / "nokey.jsonl").write_text('{"question": "1+1="}\n')
+    (tmp_path / "good.jsonl").write_text('{"prompt": "1+1="}\n')
+    files = {k: tmp_path / f"{k}.jsonl" for k in ("bad", "nokey", "good")}
+    out = tmp_path / "run"
+    extra = [e.format(**files) for e in extra]
+    with pytest.raises(error, match=message):
+        main(["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", *extra, *QUICK_PPO])
+    assert not out.exists()
+
+
+def test_bad_config_and_paths(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="did you mean actor.clip_ratio"):
+        main(["ppo", "actor.clip_ration=0.1", f"trainer.output_dir={out}"])
+    with pytest.raises(ValueError, match="set model.path"):
+        main(["ppo", f"trainer.output_dir={out}"])
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        main(["ppo", f"model.path={tmp_path}/missing", f"trainer.output_dir={out}"])
+    assert not out.exists()
+    assert main([]) == 2
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "refppo"], capture_output=True, text=True)
+    assert result.returncode == 2 and "usage: refppo {sft|rm|ppo}" in result.stderr
+
+
+def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path):
+    run = RunFolder(tmp_path / "r", Config())
+    run.save_checkpoint(1, lambda folder: (folder / "state").write_text("one"))
+
+    def crash(folder):
+        (folder / "state").write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run.save_checkpoint(2, crash)
+    assert run.latest_step() == 1
+    assert (run.checkpoint_dir(1) / "state").read_text() == "one"
+    assert not run.checkpoint_dir(2).exists()
+    run.save_checkpoint(2, lambda folder: (folder / "state").write_text("two"))
+    assert run.latest_step() == 2 and sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_000001", "step_000002"]

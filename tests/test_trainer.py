@@ -1,0 +1,205 @@
+import math
+
+import pytest
+import torch
+
+from refppo.config import Config, apply_overrides, validate
+from refppo.models import load_causal_lm, load_value_model, tiny_config
+from refppo.runs import RunFolder
+from refppo.tasks.tokenizer import build_tokenizer
+from refppo.trainer import PPOTrainer, PromptSampler, check_scores, fit, make_optimizer
+
+TOK = build_tokenizer()
+SEVEN = TOK.convert_tokens_to_ids("7")
+RECORDS = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
+
+
+def first_char_is_seven(prompts, responses, records):
+    """A rule reward a random tiny model can learn in seconds."""
+    return torch.tensor([float(r[:1] == "7") for r in responses])
+
+
+def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, **kw):
+    config = apply_overrides(
+        Config(),
+        [
+            "data.train_batch_size=16",
+            "data.max_response_length=4",
+            "actor.ppo_mini_batch_size=8",
+            "actor.optim.lr=3e-3",
+            "critic.optim.lr=3e-3",
+            "trainer.critic_warmup=0",
+            f"trainer.seed={seed}",
+            *overrides,
+        ],
+    )
+    validate(config)
+    torch.manual_seed(seed)
+    model_config = tiny_config(TOK, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    actor = load_causal_lm(model_config)
+    critic = load_value_model(model_config) if config.algorithm.adv_estimator == "gae" else None
+    return PPOTrainer(config, TOK, actor, critic, RECORDS, RECORDS[:8], reward_fn=reward_fn, **kw)
+
+
+def _run(trainer, steps):
+    return [trainer.train_step() for _ in range(steps)]
+
+
+def _no_timing(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def test_score_improves_end_to_end():
+    trainer = make_trainer(["actor.ppo_epochs=2"])
+    history = _run(trainer, 40)
+    first = sum(m["critic/score/mean"] for m in history[:5]) / 5
+    last = sum(m["critic/score/mean"] for m in history[-5:]) / 5
+    assert last > first + 0.4, (first, last)
+
+
+def test_step_metrics_use_verls_names_and_are_finite():
+    metrics = make_trainer(["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"]).train_step()
+    expected = [
+        "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
+        "actor/kl_loss", "actor/kl_coef", "actor/grad_norm", "actor/lr", "critic/vf_loss", "critic/vf_clipfrac",
+        "critic/vf_explained_var", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
+        "critic/returns/mean", "critic/values/mean", "response_length/mean", "response_length/clip_ratio",
+        "timing_s/gen", "timing_s/ref", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv",
+        "timing_s/update_actor", "timing_s/update_critic", "timing_s/step", "perf/throughput",
+        "perf/max_memory_allocated_gb", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
+    ]  # fmt: skip
+    missing = [k for k in expected if k not in metrics]
+    assert not missing
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_first_minibatch_has_ratio_one_in_decoupled_mode():
+    trainer = make_trainer(["actor.ppo_epochs=2", "actor.ppo_micro_batch_size_per_gpu=4"])
+    trainer.train_step()
+    first = trainer.last_update_stats[0]
+    assert abs(first["actor/ppo_kl"]) <= 1e-6
+    assert first["actor/pg_clipfrac"] == 0.0 and first["actor/pg_clipfrac_lower"] == 0.0
+    assert len(trainer.last_update_stats) == 4  # 2 epochs x 2 mini-batches
+    assert any(abs(s["actor/ppo_kl"]) > 1e-6 for s in trainer.last_update_stats[1:])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["actor.policy_mode=bypass"],
+        ["actor.policy_mode=rollout_correction", "actor.rollout_is_threshold=1.5"],
+        ["actor.policy_loss=penalty", "actor.penalty_kl_coef=0.5"],
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=100"],
+        ["actor.use_kl_loss=true", "actor.kl_loss_type=k3"],
+        ["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"],
+        ["algorithm.adv_estimator=grpo", "rollout.n=4"],
+        ["algorithm.adv_estimator=rloo", "rollout.n=4", "actor.loss_agg_mode=seq-mean-token-mean"],
+        ["actor.clip_ratio_c=null", "actor.clip_ratio_high=0.28", "rollout.top_k=5", "rollout.top_p=0.9"],
+        ["actor.optim.lr_scheduler=cosine", "actor.optim.lr_warmup_steps=2", "trainer.critic_warmup=1"],
+    ],
+)
+def test_modes_run(overrides):
+    history = _run(make_trainer(overrides), 2)
+    for m in history:
+        assert all(math.isfinite(v) for v in m.values()), overrides
+    assert history[-1]["actor/lr"] > 0
+
+
+def test_kl_controller_moves_in_the_reward():
+    target, horizon = 0.01, 10
+    trainer = make_trainer(
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=abs", "algorithm.kl_ctrl.type=adaptive",
+         "algorithm.kl_ctrl.kl_coef=0.1", f"algorithm.kl_ctrl.target_kl={target}", f"algorithm.kl_ctrl.horizon={horizon}"]
+    )  # fmt: skip
+    m = _run(trainer, 4)
+    assert m[0]["actor/reward_kl_penalty"] == 0.0  # the actor starts as the reference
+    assert m[0]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
+    assert m[-1]["actor/reward_kl_penalty"] > 0
+    for now, nxt in zip(m, m[1:] + [{"actor/reward_kl_penalty_coeff": trainer.kl_ctrl.value}]):
+        error = min(max(now["actor/reward_kl_penalty"] / target - 1, -0.2), 0.2)
+        expected = now["actor/reward_kl_penalty_coeff"] * (1 + error * 16 / horizon)
+        assert nxt["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_critic_warmup_skips_the_actor():
+    trainer = make_trainer(["trainer.critic_warmup=2"])
+    before = [p.clone() for p in trainer.actor.parameters()]
+    m = _run(trainer, 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor.parameters()))
+    assert "actor/pg_loss" not in m[0] and "critic/vf_loss" in m[0]
+
+
+def test_same_seed_same_metrics_and_different_seed_differs():
+    one = [_no_timing(m) for m in _run(make_trainer(seed=3), 3)]
+    two = [_no_timing(m) for m in _run(make_trainer(seed=3), 3)]
+    other = [_no_timing(m) for m in _run(make_trainer(seed=4), 3)]
+    assert one == two
+    assert one != other
+
+
+def test_resume_gives_the_same_metrics(tmp_path):
+    overrides = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=2"]
+    straight = make_trainer(overrides)
+    full = fit(straight, RunFolder(tmp_path / "a", straight.config), progress_bar=False)
+
+    first = make_trainer(overrides)
+    first.config.trainer.total_training_steps = 2  # "stopped" after step 2
+    fit(first, RunFolder(tmp_path / "b", first.config), progress_bar=False)
+    run = RunFolder(tmp_path / "b", straight.config, resume=True)
+    resumed = make_trainer(overrides)
+    with torch.no_grad():  # scrambled weights: everything must come from the checkpoint
+        for p in [*resumed.actor.parameters(), *resumed.critic.parameters()]:
+            p.add_(torch.randn_like(p))
+    resumed.gen.manual_seed(123)
+    resumed.shuffle_gen.manual_seed(123)
+    resumed.load_state_dict(torch.load(run.checkpoint_dir(run.latest_step()) / "trainer_state.pt", weights_only=False))
+    rest = fit(resumed, run, progress_bar=False)
+    assert [_no_timing(m) for m in rest] == [_no_timing(m) for m in full[3:]]
+    assert [m["step"] for m in rest] == [3, 4]
+    lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 5  # step 0 (validation) + 4 steps
+
+
+def test_nonfinite_gradient_skips_the_step():
+    trainer = make_trainer()
+    batch = {"response_mask": torch.ones(16, 3)}
+    param = trainer.actor_params[0]
+    before = param.detach().clone()
+    stats = trainer._minibatch_updates(
+        batch, trainer.actor_opt, trainer.actor_params, 1.0, None, "token-mean",
+        lambda mb: ((param.sum() * float("nan")), {}), "actor",
+    )  # fmt: skip
+    assert torch.equal(param.detach(), before)
+    assert all(s["actor/skipped_nonfinite_grad"] == 1.0 for s in stats)
+
+
+def test_reward_function_errors():
+    with pytest.raises(ValueError, match=r"the reward function returned shape \(3,\); expected \(16,\)"):
+        make_trainer(reward_fn=lambda p, r, rec: torch.zeros(3)).train_step()
+    with pytest.raises(ValueError, match="non-finite score"):
+        make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), float("nan"))).train_step()
+    assert check_scores([1, 2], 2, "x").dtype == torch.float32
+
+
+def test_prompt_sampler_epochs_and_state():
+    sampler = PromptSampler([{"i": i} for i in range(10)], 4, seed=0)
+    seen = [r["i"] for _ in range(5) for r in sampler.next_batch()]
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    state = sampler.state_dict()
+    after = sampler.next_batch()
+    sampler.load_state_dict(state)
+    assert sampler.next_batch() == after
+    with pytest.raises(ValueError, match="dataset is empty"):
+        PromptSampler([], 4, 0)
+
+
+def test_lr_schedule_matches_the_formula():
+    config = apply_overrides(Config(), ["actor.optim.lr=1.0", "actor.optim.lr_warmup_steps=4", "actor.optim.lr_scheduler=cosine"])
+    opt, sched = make_optimizer([torch.nn.Parameter(torch.zeros(1))], config.actor.optim, total_steps=14)
+    lrs = []
+    for _ in range(14):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [(s + 1) / 4 for s in range(4)] + [0.5 * (1 + math.cos(math.pi * (s - 4) / 10)) for s in range(4, 14)]
+    assert lrs == pytest.approx(expected)
