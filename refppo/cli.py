@@ -20,7 +20,7 @@ import torch
 
 from refppo.config import Config, apply_overrides, validate
 from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
-from refppo.runs import RunFolder
+from refppo.runs import RunFolder, check_free
 from refppo.tasks import arithmetic, preference
 from refppo.tasks.tokenizer import build_tokenizer
 
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     config.trainer.output_dir = f"runs/{command}"
     validate(apply_overrides(config, overrides))
     out, resume = config.trainer.output_dir, config.trainer.resume
-    if not resume and os.path.isdir(out) and os.listdir(out):
-        RunFolder(out, config)  # raises before any work: a run is never written over another
+    if not resume:
+        check_free(out)  # before any work: a run is never written over another
     # Each command loads everything that can fail (models, data, reward function) first and
     # only then creates the run folder.
     {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, lambda: RunFolder(out, config, resume))

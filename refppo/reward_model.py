@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from refppo.rollout import build_batch, compute_scores, response_scores
+from refppo.trainer import EpochSampler
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,18 +48,14 @@ def train_reward_model(
     if not comparisons:
         raise ValueError("no comparisons to train the reward model on")
     optimizer = torch.optim.AdamW(reward_model.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    order: list[int] = []
+    sampler = EpochSampler(comparisons, batch_size, seed)
     history = []
     reward_model.train()
     for step in range(1, steps + 1):
-        if len(order) < batch_size:
-            order += torch.randperm(len(comparisons), generator=gen).tolist()
-        idx, order = order[:batch_size], order[batch_size:]
-        prompts, chosen, rejected = zip(*(comparisons[i] for i in idx))
+        prompts, chosen, rejected = zip(*sampler.next_batch())
         # One forward pass over chosen and rejected together.
         scores = response_scores(reward_model, build_batch(tokenizer, prompts * 2, chosen + rejected))
-        loss, acc = bradley_terry_loss(scores[: len(idx)], scores[len(idx) :])
+        loss, acc = bradley_terry_loss(scores[:batch_size], scores[batch_size:])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(reward_model.parameters(), 1.0)

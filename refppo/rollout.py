@@ -96,6 +96,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+def _sequence_batch(prompts, prompt_mask, responses, response_mask) -> dict[str, torch.Tensor]:
+    """The batch layout's sequence tensors from left-padded prompts and right-padded responses."""
+    full_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": full_mask,
+        "position_ids": position_ids_from_mask(full_mask),
+        "response_mask": response_mask,
+    }
+
+
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set logits outside the top-k and outside the top-p nucleus to -inf. (B, V) -> (B, V)."""
     if 0 < top_k < scaled.shape[-1]:
@@ -246,16 +259,8 @@ def generate(
                 use_cache=True,
             )
 
-    responses = torch.stack(tokens, dim=1)
-    response_mask = torch.stack(valid, dim=1).long()
-    full_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": full_mask,
-        "position_ids": position_ids_from_mask(full_mask),
-        "response_mask": response_mask,
+    batch = _sequence_batch(prompts, prompt_mask, torch.stack(tokens, dim=1), torch.stack(valid, dim=1).long())
+    return batch | {
         "rollout_log_probs": torch.stack(log_probs, dim=1),
         "is_truncated": ~hit_eos,
         "index": torch.arange(prompts.shape[0] // n, device=device).repeat_interleave(n),
@@ -430,13 +435,4 @@ def build_batch(tokenizer, prompts: Sequence[str], responses: Sequence[str], add
     response_lists = [tokenizer(r, add_special_tokens=False)["input_ids"] + eos for r in responses]
     # Right padding is left padding of the reversed lists, reversed back.
     flipped, flipped_mask = left_pad([seq[::-1] for seq in response_lists], tokenizer.pad_token_id)
-    response_ids, response_mask = flipped.flip(1), flipped_mask.flip(1)
-    full_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
-        "prompts": prompt_ids,
-        "responses": response_ids,
-        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
-        "attention_mask": full_mask,
-        "position_ids": position_ids_from_mask(full_mask),
-        "response_mask": response_mask,
-    }
+    return _sequence_batch(prompt_ids, prompt_mask, flipped.flip(1), flipped_mask.flip(1))

@@ -25,6 +25,16 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_free(path: str | os.PathLike) -> None:
+    """Raise FileExistsError if ``path`` already holds a run (a non-empty folder)."""
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(
+            f"run folder {str(path)!r} already holds a run; pick a new trainer.output_dir "
+            "or set trainer.resume=true to continue it"
+        )
+
+
 class RunFolder:
     """One run's folder.
 
@@ -38,11 +48,8 @@ class RunFolder:
 
     def __init__(self, path: str | os.PathLike, config: Config, resume: bool = False):
         self.path = Path(path)
-        if self.path.exists() and any(self.path.iterdir()) and not resume:
-            raise FileExistsError(
-                f"run folder {str(self.path)!r} already holds a run; pick a new trainer.output_dir "
-                "or set trainer.resume=true to continue it"
-            )
+        if not resume:
+            check_free(self.path)
         (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
         save_config(config, self.path / "config.json")
         self.metrics_path = self.path / "metrics.jsonl"

@@ -10,6 +10,7 @@ import torch
 
 from refppo.losses import agg_loss
 from refppo.rollout import build_batch, response_log_probs
+from refppo.trainer import EpochSampler
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -56,15 +57,11 @@ def train_sft(
         raise ValueError("no SFT examples")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-    gen = torch.Generator().manual_seed(seed)
-    order: list[int] = []
+    sampler = EpochSampler(examples, batch_size, seed)
     history = []
     model.train()
     for step in range(1, steps + 1):
-        if len(order) < batch_size:
-            order += torch.randperm(len(examples), generator=gen).tolist()
-        idx, order = order[:batch_size], order[batch_size:]
-        prompts, responses = zip(*(examples[i] for i in idx))
+        prompts, responses = zip(*sampler.next_batch())
         loss = sft_loss(model, build_batch(tokenizer, prompts, responses))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -42,18 +42,20 @@ from refppo.rollout import (
 RewardFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
 
 
-class PromptSampler:
+class EpochSampler:
     """Epochs over a list of records, each in a seeded random order; state is (epoch, cursor).
 
+    Serves PPO prompts, SFT examples and reward-model pairs alike.
+
     Args:
-        records: dicts holding at least the prompt.
+        records: the items (prompt dicts, (prompt, response) pairs, ...).
         batch_size: records per batch.
         seed: the order of epoch e is a permutation drawn from seed + e.
     """
 
     def __init__(self, records: list[dict], batch_size: int, seed: int):
         if not records:
-            raise ValueError("the prompt dataset is empty")
+            raise ValueError("the dataset is empty")
         self.records, self.batch_size, self.seed = records, batch_size, seed
         self.epoch, self.cursor = 0, 0
 
@@ -152,7 +154,7 @@ class PPOTrainer:
         self.device = actor.device
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
-        self.sampler = PromptSampler(train_records, c.data.train_batch_size, c.trainer.seed)
+        self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed)
         self.kl_ctrl = get_kl_controller(
             c.algorithm.kl_ctrl.type, c.algorithm.kl_ctrl.kl_coef, c.algorithm.kl_ctrl.target_kl, c.algorithm.kl_ctrl.horizon
         )

@@ -7,7 +7,7 @@ from refppo.config import Config, apply_overrides, validate
 from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.runs import RunFolder
 from refppo.tasks.tokenizer import build_tokenizer
-from refppo.trainer import PPOTrainer, PromptSampler, check_scores, fit, make_optimizer
+from refppo.trainer import PPOTrainer, EpochSampler, check_scores, fit, make_optimizer
 
 TOK = build_tokenizer()
 SEVEN = TOK.convert_tokens_to_ids("7")
@@ -181,16 +181,16 @@ def test_reward_function_errors():
     assert check_scores([1, 2], 2, "x").dtype == torch.float32
 
 
-def test_prompt_sampler_epochs_and_state():
-    sampler = PromptSampler([{"i": i} for i in range(10)], 4, seed=0)
+def test_epoch_sampler_epochs_and_state():
+    sampler = EpochSampler([{"i": i} for i in range(10)], 4, seed=0)
     seen = [r["i"] for _ in range(5) for r in sampler.next_batch()]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
     state = sampler.state_dict()
     after = sampler.next_batch()
     sampler.load_state_dict(state)
     assert sampler.next_batch() == after
-    with pytest.raises(ValueError, match="dataset is empty"):
-        PromptSampler([], 4, 0)
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        EpochSampler([], 4, 0)
 
 
 def test_lr_schedule_matches_the_formula():
