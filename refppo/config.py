@@ -107,6 +107,8 @@ class PathConfig:
 class CriticConfig:
     model: PathConfig = field(default_factory=PathConfig)  # None: the actor's checkpoint, fresh head
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    ppo_epochs: int | None = None  # None: actor.ppo_epochs (verl interpolates the same way)
+    ppo_mini_batch_size: int | None = None  # prompts per optimiser step; None: actor.ppo_mini_batch_size
     ppo_micro_batch_size_per_gpu: int | None = None
     cliprange_value: float | None = 0.5
     loss_agg_mode: str = "token-mean"
@@ -119,6 +121,7 @@ class RewardModelConfig:
     model: PathConfig = field(default_factory=PathConfig)
     reward_fn: str | None = None  # "package.module:function"; None: the task's own rule
     micro_batch_size_per_gpu: int | None = None
+    missing_eos_penalty: float = 0.0  # subtracted from the score of a response that never ended (as TRL)
 
 
 @dataclass
@@ -156,10 +159,12 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 250  # on arithmetic: ~65-70% greedy, ~32% sampled held-out accuracy: room for PPO
+    steps: int = 600
     batch_size: int = 64
     lr: float = 1e-3
     n_examples: int | None = None  # training examples used; None: all
+    # arithmetic: share of carry problems the teacher gets wrong (forgets the carry); 0 is perfect
+    teacher_carry_error: float = 0.75
 
 
 @dataclass
@@ -272,6 +277,18 @@ def save_config(config: Config, path) -> None:
         json.dump(config_to_dict(config), f, indent=2)
 
 
+def critic_epochs(config: Config) -> int:
+    """``critic.ppo_epochs``, or the actor's when unset."""
+    c = config.critic.ppo_epochs
+    return config.actor.ppo_epochs if c is None else c
+
+
+def critic_mini_batch_size(config: Config) -> int:
+    """``critic.ppo_mini_batch_size`` (prompts), or the actor's when unset."""
+    c = config.critic.ppo_mini_batch_size
+    return config.actor.ppo_mini_batch_size if c is None else c
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -304,23 +321,30 @@ def validate(config: Config) -> Config:
         ("data.max_response_length", d.max_response_length),
         ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
         ("actor.ppo_epochs", a.ppo_epochs),
+        ("critic.ppo_mini_batch_size", critic_mini_batch_size(config)),
+        ("critic.ppo_epochs", critic_epochs(config)),
         ("rollout.n", r.n),
         ("trainer.total_training_steps", t.total_training_steps),
     ]:
         _require(value >= 1, f"{key} must be >= 1, got {value}")
-    _require(
-        d.train_batch_size % a.ppo_mini_batch_size == 0,
-        f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide data.train_batch_size={d.train_batch_size}",
-    )
-    rows = a.ppo_mini_batch_size * r.n
-    for key, micro in [
-        ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
-        ("critic.ppo_micro_batch_size_per_gpu", config.critic.ppo_micro_batch_size_per_gpu),
+    for role, mini, micro in [
+        ("actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
+        ("critic", critic_mini_batch_size(config), config.critic.ppo_micro_batch_size_per_gpu),
     ]:
         _require(
-            micro is None or (micro >= 1 and rows % micro == 0),
-            f"{key}={micro} must divide the mini-batch of {rows} rows (ppo_mini_batch_size x rollout.n)",
+            d.train_batch_size % mini == 0,
+            f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={d.train_batch_size}",
         )
+        rows = mini * r.n
+        _require(
+            micro is None or (micro >= 1 and rows % micro == 0),
+            f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the mini-batch of {rows} rows "
+            f"({role}.ppo_mini_batch_size x rollout.n)",
+        )
+    penalty = config.reward_model.missing_eos_penalty
+    _require(penalty >= 0, f"reward_model.missing_eos_penalty must be >= 0, got {penalty}")
+    carry_error = config.sft.teacher_carry_error
+    _require(0 <= carry_error <= 1, f"sft.teacher_carry_error must be in [0, 1], got {carry_error}")
     _require(a.clip_ratio_c is None or a.clip_ratio_c > 1, f"actor.clip_ratio_c must be > 1 (or null), got {a.clip_ratio_c}")
     _require(0 <= a.clip_ratio < 1, f"actor.clip_ratio must be in [0, 1), got {a.clip_ratio}")
     _require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")

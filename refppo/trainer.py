@@ -22,12 +22,12 @@ from contextlib import contextmanager
 import torch
 
 from refppo.advantages import get_adv_estimator_fn
-from refppo.config import Config, OptimConfig
+from refppo.config import Config, OptimConfig, critic_epochs, critic_mini_batch_size
 from refppo.functional import masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
 from refppo.losses import agg_loss, agg_loss_weight, compute_policy_loss, compute_ppo_penalty_loss, compute_value_loss
 from refppo.models import make_reference
-from refppo.rewards import apply_kl_penalty, place_score_on_last_token
+from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout import (
     compute_log_probs,
     compute_scores,
@@ -196,13 +196,20 @@ class PPOTrainer:
         return decode(batch["prompts"], skip_special_tokens=True), decode(responses, skip_special_tokens=True)
 
     def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Sequence scores (B,) for training, and the extra (reported-only) scores by name."""
+        """Sequence scores (B,) for training, and the extra (reported-only) scores by name.
+
+        A response that hit the length limit without EOS loses ``reward_model.missing_eos_penalty``:
+        a reward model never saw unfinished responses, and may score them anything.
+        """
         texts = None
+        rm = self.config.reward_model
         if self.reward_model is not None:
-            scores = compute_scores(self.reward_model, batch, self.config.reward_model.micro_batch_size_per_gpu)
+            scores = compute_scores(self.reward_model, batch, rm.micro_batch_size_per_gpu)
         else:
             texts = self._texts(batch)
             scores = check_scores(self.reward_fn(*texts, rows), len(rows), "the reward function")
+        if rm.missing_eos_penalty > 0:
+            scores = apply_missing_eos_penalty(scores.to(self.device), batch["is_truncated"], rm.missing_eos_penalty)
         extras = {}
         for name, fn in self.extra_reward_fns.items():
             texts = texts or self._texts(batch)
@@ -256,18 +263,20 @@ class PPOTrainer:
         return stats
 
     # ---- phase 3: update ---------------------------------------------------------------
-    def _minibatch_updates(self, batch, optimizer, params, grad_clip, micro_size, agg_mode, micro_loss, prefix):
-        """ppo_epochs x shuffled mini-batches x micro-batches; returns per-mini-batch stats.
+    def _minibatch_updates(
+        self, batch, optimizer, params, grad_clip, epochs, mini_size, micro_size, agg_mode, micro_loss, prefix
+    ):
+        """``epochs`` x shuffled mini-batches of ``mini_size`` prompts x micro-batches; returns
+        per-mini-batch stats.
 
         ``micro_loss(mb) -> (loss, {name: detached scalar})``. Each micro-batch's loss is
         weighted so the accumulated gradient is the mini-batch loss's gradient exactly; stats
         are weighted by token share. A step whose gradient norm is not finite is skipped.
         """
-        c = self.config
         rows = batch["response_mask"].shape[0]
-        mini_rows = c.actor.ppo_mini_batch_size * c.rollout.n
+        mini_rows = mini_size * self.config.rollout.n
         per_mini = []
-        for _ in range(c.actor.ppo_epochs):
+        for _ in range(epochs):
             order = torch.randperm(rows, generator=self.shuffle_gen).to(self.device)
             for idx in order.split(mini_rows):
                 mini = {k: v[idx] for k, v in batch.items()}
@@ -345,6 +354,60 @@ class PPOTrainer:
             torch.cuda.synchronize(self.device)
         timing[f"timing_s/{name}"] = time.perf_counter() - start
 
+    def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, torch.Tensor, dict, dict]:
+        """Phases 1 and 2 for a batch of prompt records: generate, score, evaluate.
+
+        Args:
+            records: the step's prompt records (``data.train_batch_size`` of them).
+            timing: receives ``timing_s/gen``, ``timing_s/reward`` and the evaluate timings.
+
+        Returns:
+            (batch, scores (B,), extra scores by name, stats): the batch holds every key of
+            ``refppo.rollout.generate`` plus those ``evaluate`` adds; B = len(records) x rollout.n.
+        """
+        n = self.config.rollout.n
+        rows = [r for r in records for _ in range(n)]
+        with self._timed(timing, "gen"):
+            batch = self.generate(records, n)
+        with self._timed(timing, "reward"):
+            scores, extras = self.score(batch, rows)
+        stats = self.evaluate(batch, scores, timing)
+        return batch, scores, extras, stats
+
+    def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
+        """Phase 3: the critic's update, then the actor's (after ``trainer.critic_warmup`` steps).
+
+        Args:
+            batch: an evaluated batch (see :meth:`make_experience`).
+            timing: receives ``timing_s/update_critic`` and ``timing_s/update_actor``.
+
+        Returns:
+            (critic stats, actor stats): one dict of detached scalars per mini-batch update.
+        """
+        c = self.config
+        critic_minis, actor_minis = [], []
+        if self.use_critic:
+            self.critic.train()
+            with self._timed(timing, "update_critic"):
+                critic_minis = self._minibatch_updates(
+                    batch, self.critic_opt, self.critic_params, c.critic.grad_clip, critic_epochs(c),
+                    critic_mini_batch_size(c), c.critic.ppo_micro_batch_size_per_gpu, c.critic.loss_agg_mode,
+                    self._critic_loss, "critic",
+                )  # fmt: skip
+            self.critic.eval()
+            self.critic_sched.step()
+        if self.step >= c.trainer.critic_warmup:
+            self.actor.train()
+            with self._timed(timing, "update_actor"):
+                actor_minis = self._minibatch_updates(
+                    batch, self.actor_opt, self.actor_params, c.actor.grad_clip, c.actor.ppo_epochs,
+                    c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size_per_gpu, c.actor.loss_agg_mode,
+                    self._actor_loss, "actor",
+                )  # fmt: skip
+            self.actor.eval()
+            self.actor_sched.step()
+        return critic_minis, actor_minis
+
     def train_step(self) -> dict[str, float]:
         """Generate, evaluate and update once; returns the step's metrics."""
         c = self.config
@@ -352,35 +415,9 @@ class PPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with self._timed(timing, "step"):
-            records = self.sampler.next_batch()
-            rows = [r for r in records for _ in range(c.rollout.n)]
-            with self._timed(timing, "gen"):
-                batch = self.generate(records, c.rollout.n)
-            with self._timed(timing, "reward"):
-                scores, extras = self.score(batch, rows)
-            stats = self.evaluate(batch, scores, timing)
-            per_mini: list[dict] = []
-            if self.use_critic:
-                self.critic.train()
-                with self._timed(timing, "update_critic"):
-                    per_mini += self._minibatch_updates(
-                        batch, self.critic_opt, self.critic_params, c.critic.grad_clip,
-                        c.critic.ppo_micro_batch_size_per_gpu, c.critic.loss_agg_mode, self._critic_loss, "critic",
-                    )  # fmt: skip
-                self.critic.eval()
-                self.critic_sched.step()
-            actor_minis = []
-            if self.step >= c.trainer.critic_warmup:
-                self.actor.train()
-                with self._timed(timing, "update_actor"):
-                    actor_minis = self._minibatch_updates(
-                        batch, self.actor_opt, self.actor_params, c.actor.grad_clip,
-                        c.actor.ppo_micro_batch_size_per_gpu, c.actor.loss_agg_mode, self._actor_loss, "actor",
-                    )  # fmt: skip
-                self.actor.eval()
-                self.actor_sched.step()
-            per_mini += actor_minis
-            metrics = self._gather(batch, scores, extras, stats, per_mini)
+            batch, scores, extras, stats = self.make_experience(self.sampler.next_batch(), timing)
+            critic_minis, actor_minis = self.update(batch, timing)
+            metrics = self._gather(batch, scores, extras, stats, critic_minis + actor_minis)
         self.last_update_stats = [{k: float(v) for k, v in m.items()} for m in actor_minis]
         self.step += 1
         metrics.update(timing)

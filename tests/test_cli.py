@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,35 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path):
     assert not run.checkpoint_dir(2).exists()
     run.save_checkpoint(2, lambda folder: (folder / "state").write_text("two"))
     assert run.latest_step() == 2 and sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_000001", "step_000002"]
+
+
+def test_cached_run_trains_once_per_setting(tmp_path, monkeypatch):
+    from refppo import cli
+
+    calls = []
+    real_main = cli.main
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or real_main(argv))
+    args = ["sft.steps=2", "sft.batch_size=4", *TINY]
+    first = cli.cached_run("sft", args, tmp_path)
+    assert (first / "model" / "config.json").exists() and len(calls) == 1
+    assert cli.cached_run("sft", args, tmp_path) == first and len(calls) == 1  # reused, not retrained
+    other = cli.cached_run("sft", [*args, "sft.lr=5e-4"], tmp_path)
+    assert other != first and len(calls) == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+    def killed_midway(argv):  # an interrupted run leaves a partial folder behind
+        out = Path(next(a for a in argv if a.startswith("trainer.output_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text("partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "main", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        cli.cached_run("sft", [*args, "sft.lr=1e-4"], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted([first.name, other.name])
+    monkeypatch.setattr(cli, "main", real_main)
+    retried = cli.cached_run("sft", [*args, "sft.lr=1e-4"], tmp_path)  # the partial run is not reused
+    assert (retried / "model" / "config.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    with pytest.raises(ValueError, match="unknown command 'eval'"):
+        cli.cached_run("eval", [], tmp_path)

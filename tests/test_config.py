@@ -54,6 +54,11 @@ def test_bad_values():
         (["reward_model.enable=true"], "needs reward_model.model.path"),
         (["data.task=file"], "needs data.train_files"),
         (["trainer.total_training_steps=0"], "total_training_steps must be >= 1"),
+        (["critic.ppo_mini_batch_size=24"], "critic.ppo_mini_batch_size=24 must divide data.train_batch_size=64"),
+        (["critic.ppo_mini_batch_size=8", "critic.ppo_micro_batch_size_per_gpu=16"], "must divide the mini-batch of 8 rows"),
+        (["critic.ppo_epochs=0"], "critic.ppo_epochs must be >= 1"),
+        (["reward_model.missing_eos_penalty=-1"], "reward_model.missing_eos_penalty must be >= 0, got -1.0"),
+        (["sft.teacher_carry_error=1.5"], r"sft.teacher_carry_error must be in \[0, 1\]"),
     ],
 )
 def test_validation_errors(overrides, message):

@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from refppo.tasks import arithmetic, preference
 
 
@@ -12,6 +14,35 @@ def test_arithmetic_split_and_reward():
     assert arithmetic.make_problems(9, 20) == (train, held)  # a fixed split
     scores = arithmetic.exact_match_reward(["1+2="] * 4, ["3", " 3", "03", "4"], [{"answer": "3"}] * 4)
     assert scores.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_arithmetic_carry_and_the_teachers_mistake():
+    # Independent of the Problem properties: digit-wise addition written out.
+    for a in range(50):
+        for b in range(50):
+            p = arithmetic.Problem(a, b)
+            units = a % 10 + b % 10
+            assert p.prompt == f"{a}+{b}=" and p.answer == str(a + b)
+            assert p.carry == (units >= 10)
+            assert p.answer_without_carry == str(10 * (a // 10 + b // 10) + units % 10)
+            assert (p.answer_without_carry == p.answer) == (not p.carry)
+    assert arithmetic.Problem(27, 35).answer_without_carry == "52"
+
+
+def test_teacher_forgets_carries_at_the_stated_rate():
+    train, _ = arithmetic.make_problems()
+    carries = [p for p in train if p.carry]
+    assert arithmetic.make_demonstrations(train, 0.0) == [(p.prompt, p.answer) for p in train]
+    always = dict(arithmetic.make_demonstrations(train, 1.0))
+    assert all(always[p.prompt] == (p.answer_without_carry if p.carry else p.answer) for p in train)
+    demos = dict(arithmetic.make_demonstrations(train, 0.75, seed=0))
+    wrong = sum(demos[p.prompt] != p.answer for p in carries)
+    assert all(demos[p.prompt] == p.answer for p in train if not p.carry)
+    assert abs(wrong / len(carries) - 0.75) < 4 * math.sqrt(0.75 * 0.25 / len(carries))
+    assert demos == dict(arithmetic.make_demonstrations(train, 0.75, seed=0))  # seeded
+    assert demos != dict(arithmetic.make_demonstrations(train, 0.75, seed=1))
+    with pytest.raises(ValueError, match=r"carry_error must be in \[0, 1\], got 1.5"):
+        arithmetic.make_demonstrations(train, 1.5)
 
 
 def test_gold_score_worked_examples():

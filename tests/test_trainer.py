@@ -105,6 +105,29 @@ def test_modes_run(overrides):
     assert history[-1]["actor/lr"] > 0
 
 
+def test_critic_has_its_own_epochs_and_mini_batches():
+    trainer = make_trainer(["actor.ppo_epochs=2", "critic.ppo_epochs=3", "critic.ppo_mini_batch_size=4"])
+    batch, _, _, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    critic_minis, actor_minis = trainer.update(batch, {})
+    assert len(critic_minis) == 3 * 16 // 4 and len(actor_minis) == 2 * 16 // 8
+    assert all("critic/vf_loss" in m for m in critic_minis) and all("actor/pg_loss" in m for m in actor_minis)
+    defaults = make_trainer(["actor.ppo_epochs=2"])  # unset: the actor's schedule
+    batch, _, _, _ = defaults.make_experience(defaults.sampler.next_batch(), {})
+    assert [len(m) for m in defaults.update(batch, {})] == [4, 4]
+
+
+def test_missing_eos_penalty_lowers_unfinished_responses_only():
+    penalty = 0.75
+    trainer = make_trainer(
+        [f"reward_model.missing_eos_penalty={penalty}", "data.train_batch_size=64", "data.max_response_length=8"], reward_fn=lambda p, r, rec: torch.ones(len(r))
+    )
+    batch, scores, _, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    truncated = batch["is_truncated"]
+    assert 0 < int(truncated.sum()) < len(truncated)  # a random tiny model ends some responses, not all
+    assert torch.equal(scores, 1.0 - penalty * truncated.float())
+    assert torch.equal(batch["token_level_scores"].sum(-1), scores)
+
+
 def test_kl_controller_moves_in_the_reward():
     target, horizon = 0.01, 10
     trainer = make_trainer(
@@ -166,7 +189,7 @@ def test_nonfinite_gradient_skips_the_step():
     param = trainer.actor_params[0]
     before = param.detach().clone()
     stats = trainer._minibatch_updates(
-        batch, trainer.actor_opt, trainer.actor_params, 1.0, None, "token-mean",
+        batch, trainer.actor_opt, trainer.actor_params, 1.0, 1, 8, None, "token-mean",
         lambda mb: ((param.sum() * float("nan")), {}), "actor",
     )  # fmt: skip
     assert torch.equal(param.detach(), before)
