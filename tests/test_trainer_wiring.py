@@ -1,0 +1,348 @@
+"""What one PPO step computes, pinned against plain re-implementations written here.
+
+The trainer's pieces (losses, advantages, KL estimators) have their own tests; these check the
+wiring between them: which log-probs, values, masks and coefficients reach each loss, and what
+each logged metric means. The references run every sequence on its own, unpadded, and write
+every formula out, so they share no code path with the trainer beyond the model itself.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tests.test_trainer import first_char_is_seven, make_trainer
+
+BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.grad_clip=1e9", "critic.grad_clip=1e9"]
+
+
+def plain_forward(model, batch, temperature=1.0):
+    """Row by row on the unpadded sequence: log pi(a_t | prefix) and the entropy of pi(. | prefix),
+    both (B, R) with gradients, 0 after the response."""
+    prompt_width = batch["prompts"].shape[1]
+    rows_logp, rows_entropy = [], []
+    for i in range(batch["responses"].shape[0]):
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()]
+        n_prompt = int(batch["attention_mask"][i, :prompt_width].sum())
+        n_resp = int(batch["response_mask"][i].sum())
+        logits = model(input_ids=ids[None]).logits[0].float() / temperature
+        logp_all = torch.log_softmax(logits[n_prompt - 1 : n_prompt - 1 + n_resp], -1)
+        logp = logp_all.gather(-1, ids[n_prompt : n_prompt + n_resp, None])[:, 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        pad = batch["responses"].shape[1] - n_resp
+        rows_logp.append(torch.nn.functional.pad(logp, (0, pad)))
+        rows_entropy.append(torch.nn.functional.pad(entropy, (0, pad)))
+    return torch.stack(rows_logp), torch.stack(rows_entropy)
+
+
+def plain_values(critic, batch):
+    """V(s_t) of the state before each response token, row by row, (B, R), 0 after the response."""
+    prompt_width = batch["prompts"].shape[1]
+    rows = []
+    for i in range(batch["responses"].shape[0]):
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()]
+        n_prompt = int(batch["attention_mask"][i, :prompt_width].sum())
+        n_resp = int(batch["response_mask"][i].sum())
+        v = critic(input_ids=ids[None]).logits[0, n_prompt - 1 : n_prompt - 1 + n_resp, 0].float()
+        rows.append(torch.nn.functional.pad(v, (0, batch["responses"].shape[1] - n_resp)))
+    return torch.stack(rows)
+
+
+def plain_agg(x, mask, mode):
+    """Every loss_agg_mode, written out."""
+    if mode == "token-mean":
+        return (x * mask).sum() / mask.sum()
+    if mode == "token-sum":
+        return (x * mask).sum()
+    if mode == "seq-mean-token-sum":
+        return (x * mask).sum(-1).mean()
+    if mode == "seq-mean-token-mean":
+        return ((x * mask).sum(-1) / mask.sum(-1)).mean()
+    assert mode == "seq-mean-token-sum-norm"
+    return (x * mask).sum() / mask.shape[-1]
+
+
+def plain_gae(rewards, values, mask, gamma, lam):
+    """Backward loop over each row's valid tokens; advantages whitened over the batch (unbiased
+    variance), returns = raw advantages + values."""
+    raw = torch.zeros_like(rewards)
+    for i in range(rewards.shape[0]):
+        n, last = int(mask[i].sum()), 0.0
+        for t in reversed(range(n)):
+            next_value = values[i, t + 1] if t + 1 < n else 0.0
+            last = rewards[i, t] + gamma * next_value - values[i, t] + gamma * lam * last
+            raw[i, t] = last
+    valid = raw[mask.bool()]
+    whitened = (raw - valid.mean()) / torch.sqrt(valid.var(unbiased=True) + 1e-8)
+    return whitened * mask, (raw + values) * mask
+
+
+def capture(trainer):
+    """Record every evaluated batch the trainer makes, and run ``checks["actor_opt"]()`` (or
+    ``"critic_opt"``) at every step of that optimiser, before it is applied (the gradients are
+    then final)."""
+    batches, checks = [], {}
+    make_experience = trainer.make_experience
+
+    def recording(records, timing):
+        out = make_experience(records, timing)
+        batches.append(out[0])
+        return out
+
+    trainer.make_experience = recording
+    for name in ("actor_opt", "critic_opt"):
+        if hasattr(trainer, name):
+            hook = lambda opt, args, kwargs, _name=name: checks[_name]() if _name in checks else None
+            getattr(trainer, name).register_step_pre_hook(hook)
+    return batches, checks
+
+
+def perturb_rollout_log_probs(trainer, scale=0.3):
+    """Make the recorded sampling log-probs differ from the actor's, as a bf16 or lagging
+    inference engine's would, so that bypass and rollout correction have something to do."""
+    generate = trainer.generate
+
+    def noisy(records, n, do_sample=True):
+        batch = generate(records, n, do_sample)
+        gen = torch.Generator().manual_seed(trainer.step)
+        noise = scale * torch.randn(batch["rollout_log_probs"].shape, generator=gen)
+        batch["rollout_log_probs"] = (batch["rollout_log_probs"] + noise) * batch["response_mask"]
+        return batch
+
+    trainer.generate = noisy
+
+
+def grads(params):
+    return torch.cat([p.grad.flatten() for p in params])
+
+
+def assert_grad_close(got, expected):
+    """Equal up to float32 noise; returns False where both are exactly zero (every token clipped)."""
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 1e-4 * scale, ((got - expected).abs().max().item(), scale.item())
+    return bool(scale > 0)
+
+
+def expected_actor_loss(trainer, batch):
+    """The actor's loss on the whole batch (one mini-batch), written out from the config."""
+    a = trainer.config.actor
+    mask = batch["response_mask"].float()
+    logp, entropy = plain_forward(trainer.actor, batch, trainer.config.rollout.temperature)
+    old, adv = batch["old_log_probs"], batch["advantages"]
+    ratio = torch.exp(logp - old)
+    if a.policy_loss == "penalty":
+        kl_old = old - logp  # k1 of KL(pi_old || pi_theta) on tokens from pi_old
+        pg = -adv * ratio + a.penalty_kl_coef * kl_old
+    else:
+        low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+        high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
+        if a.clip_ratio_c is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
+        if a.policy_mode == "rollout_correction":
+            pg = pg * torch.exp(old - batch["rollout_log_probs"]).clamp(max=a.rollout_is_threshold)
+    loss = plain_agg(pg, mask, a.loss_agg_mode) - a.entropy_coeff * plain_agg(entropy, mask, a.loss_agg_mode)
+    if a.use_kl_loss:
+        assert a.kl_loss_type in ("k2", "mse")
+        k2 = 0.5 * (logp - batch["ref_log_prob"]) ** 2
+        loss = loss + a.kl_loss_coef * plain_agg(k2, mask, a.loss_agg_mode)
+    return loss
+
+
+def expected_critic_loss(trainer, batch):
+    c = trainer.config.critic
+    mask = batch["response_mask"].float()
+    v, old_v, ret = plain_values(trainer.critic, batch), batch["values"], batch["returns"]
+    clipped = old_v + (v - old_v).clamp(-c.cliprange_value, c.cliprange_value)
+    return 0.5 * plain_agg(torch.maximum((v - ret) ** 2, (clipped - ret) ** 2), mask, c.loss_agg_mode)
+
+
+def check_every_update(overrides, steps=2):
+    """Run ``steps`` steps; at every optimiser step compare the trainer's gradient with the plain one."""
+    trainer = make_trainer([*BATCH, *overrides])
+    if trainer.config.actor.policy_mode != "decoupled":
+        perturb_rollout_log_probs(trainer)
+    batches, checks = capture(trainer)
+    seen = {"actor_opt": 0, "critic_opt": 0}
+    nonzero = dict(seen)
+
+    def check(name, params, loss_fn):
+        def run():
+            expected = torch.autograd.grad(loss_fn(trainer, batches[-1]), params)
+            nonzero[name] += assert_grad_close(grads(params), torch.cat([g.flatten() for g in expected]))
+            seen[name] += 1
+
+        checks[name] = run
+
+    check("actor_opt", trainer.actor_params, expected_actor_loss)
+    if trainer.use_critic:
+        check("critic_opt", trainer.critic_params, expected_critic_loss)
+    for _ in range(steps):
+        trainer.train_step()
+    epochs = trainer.config.actor.ppo_epochs
+    assert seen["actor_opt"] == steps * epochs
+    assert seen["critic_opt"] == (steps * epochs if trainer.use_critic else 0)
+    assert nonzero["actor_opt"] > 0 and (nonzero["critic_opt"] > 0 or not trainer.use_critic), "a vacuous check"
+    return trainer
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("micro", [None, 2])
+def test_every_update_has_the_plain_gradient_for_every_aggregation(mode, micro):
+    check_every_update(
+        [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "actor.ppo_epochs=2",
+         *([f"actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}"] if micro else [])]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["actor.clip_ratio=0.01", "actor.clip_ratio_high=0.03", "actor.ppo_epochs=3"],  # the clip bites after epoch 1
+        ["actor.clip_ratio_c=1.01", "actor.clip_ratio=0.01", "actor.ppo_epochs=3"],  # and the dual clip
+        ["actor.entropy_coeff=0.3"],
+        ["actor.use_kl_loss=true", "actor.kl_loss_type=k2", "actor.kl_loss_coef=0.5"],
+        ["actor.policy_loss=penalty", "actor.penalty_kl_coef=2.0", "actor.ppo_epochs=2"],
+        ["actor.policy_mode=bypass", "actor.ppo_epochs=2"],
+        ["actor.policy_mode=rollout_correction", "actor.rollout_is_threshold=1.2", "actor.ppo_epochs=2"],
+        ["algorithm.adv_estimator=grpo", "rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"],
+        ["rollout.temperature=0.7"],
+    ],
+)
+def test_every_update_has_the_plain_gradient(overrides):
+    trainer = check_every_update(overrides, steps=3)
+    stats = trainer.last_update_stats
+    if "actor.clip_ratio=0.01" in overrides:  # the clipped branches were exercised, not only the plain one
+        assert max(s["actor/pg_clipfrac"] for s in stats) > 0
+    if "actor.clip_ratio_c=1.01" in overrides:
+        assert max(s["actor/pg_clipfrac_lower"] for s in stats) > 0
+
+
+def test_terms_change_the_gradient_by_exactly_their_own_term():
+    """entropy_coeff and kl_loss_coef each add c * grad(agg(term)) and nothing else."""
+    base = make_trainer([*BATCH, "actor.use_kl_loss=true", "actor.kl_loss_type=k2", "actor.kl_loss_coef=0.0"])
+    base.train_step()  # move the actor away from the reference
+    batch, *_ = base.make_experience(base.sampler.next_batch(), {})
+    params = base.actor_params
+
+    def actor_grad(**settings):
+        for k, v in settings.items():
+            setattr(base.config.actor, k, v)
+        loss, _ = base._actor_loss(batch)
+        out = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+        base.config.actor.entropy_coeff, base.config.actor.kl_loss_coef = 0.0, 0.0
+        return out
+
+    g0 = actor_grad()
+    mask = batch["response_mask"].float()
+    logp, entropy = plain_forward(base.actor, batch)
+    g_entropy = torch.cat([g.flatten() for g in torch.autograd.grad(plain_agg(entropy, mask, "token-mean"), params, retain_graph=True)])
+    g_k2 = torch.cat([g.flatten() for g in torch.autograd.grad(
+        plain_agg(0.5 * (logp - batch["ref_log_prob"]) ** 2, mask, "token-mean"), params)])  # fmt: skip
+    assert assert_grad_close(actor_grad(entropy_coeff=0.25) - g0, -0.25 * g_entropy)
+    assert assert_grad_close(actor_grad(kl_loss_coef=0.5) - g0, 0.5 * g_k2)
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "bypass", "rollout_correction"])
+def test_evaluate_phase_fills_every_key_from_the_right_model(mode):
+    """old log-probs from the actor (or the rollout), reference log-probs from the frozen copy,
+    values from the critic, the score on the last token, KL in the reward, GAE, IS weights."""
+    trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.3",
+                            "algorithm.lam=0.9", "algorithm.gamma=0.95", f"actor.policy_mode={mode}",
+                            "actor.rollout_is_threshold=1.02"])  # fmt: skip
+    reference = copy.deepcopy(trainer.actor)
+    perturb_rollout_log_probs(trainer)
+    trainer.train_step()  # actor and critic move; the reference must not
+    records = trainer.sampler.next_batch()
+    batch, scores, _, stats = trainer.make_experience(records, {})
+    mask = batch["response_mask"].float()
+    with torch.no_grad():
+        actor_logp, _ = plain_forward(trainer.actor, batch)
+        ref_logp, _ = plain_forward(reference, batch)
+        values = plain_values(trainer.critic, batch)
+    assert (actor_logp - ref_logp).abs().max() > 1e-3, "the actor should have moved"
+    old = batch["rollout_log_probs"] if mode == "bypass" else actor_logp
+    torch.testing.assert_close(batch["old_log_probs"], old, atol=2e-5, rtol=0)
+    torch.testing.assert_close(batch["ref_log_prob"], ref_logp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(batch["values"], values, atol=2e-5, rtol=0)
+    # the score of each response, from the reward function, on its last valid token only
+    _, responses = trainer._texts(batch)
+    expected_scores = first_char_is_seven(None, responses, None)
+    torch.testing.assert_close(scores, expected_scores)
+    last = mask.sum(-1).long() - 1
+    placed = torch.zeros_like(mask)
+    placed[torch.arange(len(last)), last] = expected_scores
+    torch.testing.assert_close(batch["token_level_scores"], placed)
+    # KL in the reward: every valid token loses beta * (log pi_old - log pi_ref)
+    kl = (batch["old_log_probs"] - batch["ref_log_prob"]) * mask
+    torch.testing.assert_close(batch["token_level_rewards"], placed - 0.3 * kl)
+    assert stats["actor/reward_kl_penalty"].item() == pytest.approx(((kl.sum(-1) / mask.sum(-1)).mean()).item(), abs=1e-6)
+    adv, returns = plain_gae(batch["token_level_rewards"], batch["values"], mask, 0.95, 0.9)
+    torch.testing.assert_close(batch["advantages"], adv, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch["returns"], returns, atol=1e-5, rtol=0)
+    if mode == "rollout_correction":
+        weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"]).clamp(max=1.02) * mask
+        assert (weights[mask.bool()] < 0.9).any() and (weights == 1.02).any(), "both sides of 1 are exercised"
+        torch.testing.assert_close(batch["rollout_is_weights"], weights)
+    else:
+        assert "rollout_is_weights" not in batch
+
+
+def test_logged_means_match_their_formulas():
+    trainer = make_trainer([*BATCH, "data.max_response_length=3", "algorithm.use_kl_in_reward=true"])
+    batches, _ = capture(trainer)
+    trainer.train_step()
+    m = trainer.train_step()
+    b = batches[-1]
+    mask = b["response_mask"].float()
+    mmean = lambda x: ((x * mask).sum() / mask.sum()).item()
+    mvar = lambda x: ((((x - mmean(x)) * mask) ** 2).sum() / (mask.sum() - 1)).item()
+    expected = {
+        "critic/score/mean": b["token_level_scores"].sum(-1).mean().item(),
+        "critic/rewards/mean": b["token_level_rewards"].sum(-1).mean().item(),
+        "critic/advantages/mean": mmean(b["advantages"]),
+        "critic/returns/mean": mmean(b["returns"]),
+        "critic/values/mean": mmean(b["values"]),
+        "critic/vf_explained_var": 1 - mvar(b["returns"] - b["values"]) / (mvar(b["returns"]) + 1e-5),
+        "response_length/mean": mask.sum(-1).mean().item(),
+        "response_length/clip_ratio": (mask.sum(-1) == 3).float().mean().item(),
+    }
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+def test_kl_in_the_reward_reaches_the_critic_target_and_the_advantages_only():
+    trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.0"])
+    trainer.train_step()
+    batch, *_ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    with_beta = dict(batch)
+    trainer.kl_ctrl.value = 0.7
+    trainer.evaluate(with_beta, batch["token_level_scores"].sum(-1), {})
+    mask = batch["response_mask"].bool()
+    for key in ("token_level_rewards", "advantages", "returns"):
+        assert (with_beta[key] - batch[key])[mask].abs().max() > 1e-4, key
+    for key in ("old_log_probs", "ref_log_prob", "values", "token_level_scores"):
+        torch.testing.assert_close(with_beta[key], batch[key], atol=2e-5, rtol=0)
+
+
+def test_critic_warmup_updates_only_the_critic_and_then_both():
+    trainer = make_trainer([*BATCH, "trainer.critic_warmup=2"])
+    actor0 = [p.detach().clone() for p in trainer.actor_params]
+    critic0 = [p.detach().clone() for p in trainer.critic_params]
+    for step in range(3):
+        trainer.train_step()
+        actor_moved = any(not torch.equal(a, p) for a, p in zip(actor0, trainer.actor_params))
+        critic_moved = any(not torch.equal(c, p) for c, p in zip(critic0, trainer.critic_params))
+        assert critic_moved and actor_moved == (step >= 2), step
+
+
+def test_reference_and_reward_inputs_never_get_gradients():
+    trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"])
+    batches, _ = capture(trainer)
+    trainer.train_step()
+    for key, value in batches[-1].items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            assert not value.requires_grad, key
+    assert all(not p.requires_grad for p in trainer.reference.parameters())
+    assert math.isfinite(trainer.train_step()["actor/kl_loss"])
