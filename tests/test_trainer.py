@@ -3,42 +3,10 @@ import math
 import pytest
 import torch
 
-from refppo.config import Config, apply_overrides, validate
-from refppo.models import load_causal_lm, load_value_model, tiny_config
+from _trainers import make_trainer
+from refppo.config import Config, apply_overrides
 from refppo.runs import RunFolder
-from refppo.tasks.tokenizer import build_tokenizer
-from refppo.trainer import PPOTrainer, EpochSampler, check_scores, fit, make_optimizer
-
-TOK = build_tokenizer()
-SEVEN = TOK.convert_tokens_to_ids("7")
-RECORDS = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
-
-
-def first_char_is_seven(prompts, responses, records):
-    """A rule reward a random tiny model can learn in seconds."""
-    return torch.tensor([float(r[:1] == "7") for r in responses])
-
-
-def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, **kw):
-    config = apply_overrides(
-        Config(),
-        [
-            "data.train_batch_size=16",
-            "data.max_response_length=4",
-            "actor.ppo_mini_batch_size=8",
-            "actor.optim.lr=3e-3",
-            "critic.optim.lr=3e-3",
-            "trainer.critic_warmup=0",
-            f"trainer.seed={seed}",
-            *overrides,
-        ],
-    )
-    validate(config)
-    torch.manual_seed(seed)
-    model_config = tiny_config(TOK, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    actor = load_causal_lm(model_config)
-    critic = load_value_model(model_config) if config.algorithm.adv_estimator == "gae" else None
-    return PPOTrainer(config, TOK, actor, critic, RECORDS, RECORDS[:8], reward_fn=reward_fn, **kw)
+from refppo.trainer import EpochSampler, check_scores, fit, make_optimizer
 
 
 def _run(trainer, steps):

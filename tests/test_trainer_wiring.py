@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.test_trainer import first_char_is_seven, make_trainer
+from _trainers import first_char_is_seven, make_trainer
 
 BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.grad_clip=1e9", "critic.grad_clip=1e9"]
 
