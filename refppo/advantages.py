@@ -6,32 +6,26 @@ All tensors are response-only, shape ``(batch, response_len)``; see design secti
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval, check_values
+from refppo.checks import check_ndim, check_same_shape, check_unit_interval, check_values
 from refppo.functional import masked_whiten
+from refppo.registry import Registry
 
-ADV_ESTIMATOR_REGISTRY: dict[str, Callable] = {}
-
-
-def register_adv_est(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register an advantage estimator under ``name`` (as verl's register_adv_est)."""
-
-    def decorator(fn: Callable) -> Callable:
-        if name in ADV_ESTIMATOR_REGISTRY and ADV_ESTIMATOR_REGISTRY[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATOR_REGISTRY[name] = fn
-        return fn
-
-    return decorator
+ADV_ESTIMATORS = Registry("advantage estimator")
+# verl's names. An estimator receives, by parameter name, any key of the batch (``values`` only
+# when it declares it: declaring ``values`` is what makes the trainer build a critic; declaring
+# ``index`` makes the config ask for rollout.n >= 2) and any field of ``algorithm`` (gamma, lam,
+# norm_adv_by_std_in_grpo, ...).
+register_adv_est = ADV_ESTIMATORS.register
+get_adv_estimator_fn = ADV_ESTIMATORS.get
 
 
-def get_adv_estimator_fn(name: str) -> Callable:
-    """The advantage estimator registered as ``name`` ('gae', 'grpo', 'rloo', ...)."""
-    check_choice("advantage estimator", name, ADV_ESTIMATOR_REGISTRY)
-    return ADV_ESTIMATOR_REGISTRY[name]
+def needs_critic(adv_estimator: str) -> bool:
+    """Whether the estimator registered as ``adv_estimator`` reads a critic's ``values``."""
+    return ADV_ESTIMATORS.takes(adv_estimator, "values")
 
 
 def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from refppo.advantages import needs_critic
 from refppo.config import Config, apply_overrides, config_to_dict, validate
+from refppo.data import sft_examples, task_data
 from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
 from refppo.runs import RunFolder, check_free
-from refppo.tasks import arithmetic, preference
+from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
 COMMANDS = ("sft", "rm", "ppo")
@@ -47,33 +49,6 @@ def load_tokenizer(path: str | None):
     return build_tokenizer()
 
 
-def load_records(path: str, prompt_key: str) -> list[dict]:
-    """Prompt records from a JSONL or Parquet file; each needs ``prompt_key``."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file {path!r} does not exist")
-    if path.endswith(".parquet"):
-        try:
-            import pandas as pd
-        except ImportError:
-            raise ImportError("reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
-        records = pd.read_parquet(path).to_dict("records")
-    else:
-        records = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
-    for n, rec in enumerate(records, 1):
-        if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
-            raise ValueError(f"{path}: record {n} has no string field {prompt_key!r} (data.prompt_key)")
-    if not records:
-        raise ValueError(f"{path} holds no records")
-    return records
-
-
 def load_reward_fn(spec: str):
     """Import ``package.module:function``."""
     module, sep, name = spec.partition(":")
@@ -83,30 +58,6 @@ def load_reward_fn(spec: str):
     if not callable(fn):
         raise ValueError(f"reward_model.reward_fn={spec!r}: {module} has no function {name!r}")
     return fn
-
-
-def _task_data(config: Config) -> tuple[list[dict], list[dict], object]:
-    """(train records, held-out records, default reward function) of ``data.task``."""
-    d = config.data
-    if d.task == "arithmetic":
-        train, held = arithmetic.make_problems(n_heldout=d.val_size)
-        as_records = lambda ps: [{"prompt": p.prompt, "answer": p.answer} for p in ps]  # noqa: E731
-        return as_records(train), as_records(held), arithmetic.exact_match_reward
-    if d.task == "preference":
-        return preference.make_prompts(4000, seed=1), preference.make_prompts(d.val_size, seed=2), preference.gold_reward
-    train = load_records(d.train_files, d.prompt_key)
-    val = load_records(d.val_files, d.prompt_key) if d.val_files else train[: d.val_size]
-    return train, val, None
-
-
-def _sft_examples(config: Config) -> list[tuple[str, str]]:
-    if config.data.task == "arithmetic":
-        train, _ = arithmetic.make_problems(n_heldout=config.data.val_size)
-        teacher_seed = config.trainer.seed
-        return arithmetic.make_demonstrations(train[: config.sft.n_examples], config.sft.teacher_carry_error, teacher_seed)
-    if config.data.task == "preference":
-        return preference.make_sft_examples(config.sft.n_examples or 4000, seed=3)
-    raise ValueError("refppo sft builds its data from data.task=arithmetic or preference")
 
 
 def _save_model(model, tokenizer, folder: Path) -> None:
@@ -124,7 +75,7 @@ def run_sft(config: Config, make_run) -> None:
     )
     torch.manual_seed(config.trainer.seed)
     model = load_causal_lm(source, tokenizer, _device(config))
-    s, examples = config.sft, _sft_examples(config)
+    s, examples = config.sft, sft_examples(config)
     run = make_run()
     train_sft(model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log)
     _save_model(model, tokenizer, run.path / "model")
@@ -157,13 +108,13 @@ def run_ppo(config: Config, make_run) -> None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
     device = _device(config)
     tokenizer = load_tokenizer(config.model.path)
-    train, val, task_reward = _task_data(config)
+    train, val, task_reward = task_data(config)
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device)
     if config.model.lora_rank > 0:
         actor = add_lora(actor, config.model.lora_rank, config.model.lora_alpha)
     critic = None
-    if config.algorithm.adv_estimator == "gae":
+    if needs_critic(config.algorithm.adv_estimator):
         critic = load_value_model(config.critic.model.path or config.model.path, tokenizer, device)
     rm_cfg = config.reward_model
     reward_model = None

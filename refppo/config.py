@@ -15,13 +15,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from refppo.advantages import get_adv_estimator_fn
-from refppo.kl import KL_CONTROLLER_TYPES, KL_PENALTY_TYPES
-from refppo.losses import LOSS_AGG_MODES
+from refppo.advantages import ADV_ESTIMATORS
+from refppo.kl import KL_CONTROLLER_TYPES, kl_penalty_types
+from refppo.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from refppo.rollout import TRUNCATION_MODES
 
 TASKS = ("arithmetic", "preference", "file")
-POLICY_LOSSES = ("clip", "penalty")
 POLICY_MODES = ("decoupled", "bypass", "rollout_correction")
 LR_SCHEDULERS = ("constant", "cosine")
 
@@ -302,11 +301,11 @@ def validate(config: Config) -> Config:
         ("data.truncation", d.truncation, TRUNCATION_MODES),
         ("actor.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES),
         ("critic.loss_agg_mode", config.critic.loss_agg_mode, LOSS_AGG_MODES),
-        ("actor.policy_loss", a.policy_loss, POLICY_LOSSES),
+        ("actor.policy_loss", a.policy_loss, POLICY_LOSSES.names()),
         ("actor.policy_mode", a.policy_mode, POLICY_MODES),
-        ("actor.kl_loss_type", a.kl_loss_type, KL_PENALTY_TYPES),
-        ("actor.penalty_kl_type", a.penalty_kl_type, KL_PENALTY_TYPES),
-        ("algorithm.kl_penalty", alg.kl_penalty, KL_PENALTY_TYPES),
+        ("actor.kl_loss_type", a.kl_loss_type, kl_penalty_types()),
+        ("actor.penalty_kl_type", a.penalty_kl_type, kl_penalty_types()),
+        ("algorithm.kl_penalty", alg.kl_penalty, kl_penalty_types()),
         ("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLER_TYPES),
         ("actor.optim.lr_scheduler", a.optim.lr_scheduler, LR_SCHEDULERS),
         ("critic.optim.lr_scheduler", config.critic.optim.lr_scheduler, LR_SCHEDULERS),
@@ -314,7 +313,7 @@ def validate(config: Config) -> Config:
     ]
     for key, value, valid in choices:
         _require(value in valid, f"{key}={value!r} is not one of {', '.join(valid)}")
-    get_adv_estimator_fn(alg.adv_estimator)  # raises on an unknown estimator
+    ADV_ESTIMATORS.get(alg.adv_estimator)  # raises on an unknown estimator
     for key, value in [
         ("data.train_batch_size", d.train_batch_size),
         ("data.max_prompt_length", d.max_prompt_length),
@@ -352,7 +351,11 @@ def validate(config: Config) -> Config:
     _require(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     _require(a.rollout_is_threshold > 0, "actor.rollout_is_threshold must be > 0")
     _require(
-        alg.adv_estimator == "gae" or r.n >= 2,
+        a.policy_mode != "rollout_correction" or POLICY_LOSSES.takes(a.policy_loss, "rollout_is_weights"),
+        f"actor.policy_mode=rollout_correction weights each token's loss, but actor.policy_loss={a.policy_loss} takes no weights",
+    )
+    _require(
+        not ADV_ESTIMATORS.takes(alg.adv_estimator, "index") or r.n >= 2,
         f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt: set rollout.n >= 2",
     )
     _require(

@@ -19,24 +19,49 @@ import math
 import torch
 
 from refppo.checks import check_choice, check_same_shape
+from refppo.registry import Registry
 
-_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-KL_PENALTY_TYPES = _BASE_ESTIMATORS + tuple(name + "+" for name in _BASE_ESTIMATORS)
+KL_ESTIMATORS = Registry("KL estimator")
 
 
-def _k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+def register_kl_estimator(*names: str):
+    """Decorator: register ``fn(logprob, ref_logprob) -> (batch, T)`` under ``names``; each also gets
+    its straight-through form ``name + "+"``."""
+    if any(name.endswith("+") for name in names):
+        raise ValueError(f"{names}: a trailing '+' marks the straight-through form; register the base name")
+    return KL_ESTIMATORS.register(*names)
+
+
+def kl_penalty_types() -> tuple[str, ...]:
+    """Every name ``kl_penalty`` accepts: the registered estimators, then their "+" forms."""
+    return KL_ESTIMATORS.names() + tuple(name + "+" for name in KL_ESTIMATORS.names())
+
+
+@register_kl_estimator("kl", "k1")
+def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """k1 = log pi - log pi_ref; (batch, T) -> (batch, T)."""
+    return logprob - ref_logprob
+
+
+@register_kl_estimator("abs")
+def kl_abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """|k1|; (batch, T) -> (batch, T)."""
+    return (logprob - ref_logprob).abs()
+
+
+@register_kl_estimator("mse", "k2")
+def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """k2 = 0.5 * (log pi - log pi_ref)^2; (batch, T) -> (batch, T)."""
     return 0.5 * (logprob - ref_logprob).square()
 
 
-def _kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) -> torch.Tensor:
-    if name in ("kl", "k1"):
-        return logprob - ref_logprob
-    if name == "abs":
-        return (logprob - ref_logprob).abs()
-    if name in ("mse", "k2"):
-        return _k2(logprob, ref_logprob)
-    # k3 as expm1(x) - x: the same value as verl's exp(x) - x - 1 but without cancellation
-    # when x is small; clamps as verl's (log-ratio to +-20, result to +-10).
+@register_kl_estimator("low_var_kl", "k3")
+def kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """k3 = (r - 1) - log r with r = pi_ref / pi; (batch, T) -> (batch, T).
+
+    Computed as expm1(x) - x: the same value as verl's exp(x) - x - 1 without its cancellation
+    when x is small. Clamped as verl's: the log-ratio to +-20, the result to +-10.
+    """
     log_r = torch.clamp(ref_logprob - logprob, min=-20, max=20)
     return torch.clamp(torch.expm1(log_r) - log_r, min=-10, max=10)
 
@@ -47,19 +72,19 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     Args:
         logprob: (batch, T) log pi(a_t | s_t) of the sampled tokens; the sampling policy.
         ref_logprob: (batch, T) log pi_ref(a_t | s_t) of the same tokens.
-        kl_penalty: one of KL_PENALTY_TYPES (kl/k1, abs, mse/k2, low_var_kl/k3, each with "+").
+        kl_penalty: a registered estimator (kl/k1, abs, mse/k2, low_var_kl/k3, ...), optionally
+            with "+" for its value with k2's gradient.
 
     Returns:
         (batch, T) per-token estimates (not masked).
     """
-    check_choice("kl_penalty", kl_penalty, KL_PENALTY_TYPES)
+    check_choice("kl_penalty", kl_penalty, kl_penalty_types())
     check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
-    base = kl_penalty.rstrip("+")
-    value = _kl_penalty_forward(logprob, ref_logprob, base)
-    if not kl_penalty.endswith("+") or base in ("mse", "k2"):
+    value = KL_ESTIMATORS.get(kl_penalty.removesuffix("+"))(logprob, ref_logprob)
+    if not kl_penalty.endswith("+"):
         return value
     # Straight-through: forward value of the estimator, backward gradient of k2.
-    k2 = _k2(logprob, ref_logprob)
+    k2 = kl_k2(logprob, ref_logprob)
     return k2 - k2.detach() + value.detach()
 
 

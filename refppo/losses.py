@@ -11,6 +11,7 @@ import torch
 from refppo.checks import check_choice, check_same_shape, check_values
 from refppo.functional import entropy_from_logits, masked_mean, masked_sum
 from refppo.kl import kl_penalty as kl_penalty_fn
+from refppo.registry import Registry
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -204,6 +205,52 @@ def compute_ppo_penalty_loss(
     kl = kl_penalty_fn(old_log_prob.detach(), log_prob, kl_penalty)
     loss = _agg_loss(-advantages * ratio + kl_coef * kl, response_mask, loss_agg_mode)
     return loss, masked_mean(kl, response_mask).detach()
+
+
+POLICY_LOSSES = Registry("policy loss")
+# verl's names. A policy loss receives, by parameter name, old_log_prob, log_prob, advantages,
+# response_mask, rollout_is_weights (when the actor computes them) and any field of ``actor``;
+# it returns (loss, {metric name: detached scalar}).
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss_fn = POLICY_LOSSES.get
+
+
+@register_policy_loss("clip")
+def clip_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float,
+    clip_ratio_low: float | None,
+    clip_ratio_high: float | None,
+    clip_ratio_c: float | None,
+    loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss` (all tensors (batch, T)) with its statistics named as verl logs them."""
+    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+        loss_agg_mode, rollout_is_weights,
+    )  # fmt: skip
+    return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
+
+
+@register_policy_loss("penalty")
+def penalty_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    penalty_kl_coef: float,
+    penalty_kl_type: str,
+    loss_agg_mode: str,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_ppo_penalty_loss` (all tensors (batch, T)); its KL estimate logged as actor/ppo_kl."""
+    loss, kl = compute_ppo_penalty_loss(
+        old_log_prob, log_prob, advantages, response_mask, penalty_kl_coef, penalty_kl_type, loss_agg_mode
+    )
+    return loss, {"actor/ppo_kl": kl}
 
 
 def compute_value_loss(

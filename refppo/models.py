@@ -162,7 +162,7 @@ def load_causal_lm(
         tokenizer: if given, the embeddings grow to ``len(tokenizer)`` when it is larger.
         device: where the weights live.
         dtype: weight dtype; float32 for trained models (on CUDA, forward passes autocast to
-            bf16, see :func:`autocast`), bf16 is fine for a frozen reference on CUDA.
+            bf16, see :func:`refppo.rollout.autocast`), bf16 is fine for a frozen reference on CUDA.
 
     Returns:
         A ``PreTrainedModel`` whose forward gives logits (batch, seq, vocab).
@@ -171,9 +171,27 @@ def load_causal_lm(
     return _build(AutoModelForCausalLM, source, config, tokenizer, device, dtype)[0]
 
 
+# The attribute transformers' *ForTokenClassification models keep their head in: Llama, Qwen2,
+# Mistral, ... use score; GPT-2, BERT, ... classifier. A family that names it otherwise goes here.
+VALUE_HEAD_NAMES = ("score", "classifier")
+
+
+def value_head_name(model: PreTrainedModel) -> str:
+    """The attribute holding the scalar head (a Linear: hidden -> 1) of a critic or reward model."""
+    for name in VALUE_HEAD_NAMES:
+        if isinstance(getattr(model, name, None), torch.nn.Linear):
+            return name
+    raise ValueError(f"{type(model).__name__} has no Linear head named {' or '.join(VALUE_HEAD_NAMES)}: add its name to VALUE_HEAD_NAMES")
+
+
+def value_head(model: PreTrainedModel) -> torch.nn.Linear:
+    """The scalar head of a critic or reward model: weight (1, hidden), bias (1,)."""
+    return getattr(model, value_head_name(model))
+
+
 def init_value_head(model: PreTrainedModel) -> None:
     """Initialise the scalar head: weight ~ N(0, 1/sqrt(hidden+1)), bias 0 (as TRL and OpenRLHF)."""
-    head = model.score
+    head = value_head(model)
     with torch.no_grad():
         head.weight.normal_(mean=0.0, std=1.0 / (head.in_features + 1) ** 0.5)
         if head.bias is not None:
@@ -203,7 +221,7 @@ def load_value_model(
     """
     config = _config_without_dropout(source, num_labels=1)
     model, missing = _build(AutoModelForTokenClassification, source, config, tokenizer, device, dtype)
-    if missing is None or "score.weight" in missing:
+    if missing is None or f"{value_head_name(model)}.weight" in missing:
         init_value_head(model)
     return model
 
@@ -276,10 +294,3 @@ def make_reference(actor, dtype: torch.dtype | None = None):
         return LoraDisabledReference(actor)
     ref = copy.deepcopy(actor)
     return freeze(ref if dtype is None else ref.to(dtype))
-
-
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA (weights and optimiser stay float32), nothing on the CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()

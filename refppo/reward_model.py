@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from refppo.models import value_head
 from refppo.rollout import build_batch, compute_scores, response_scores
-from refppo.trainer import EpochSampler
+from refppo.data import EpochSampler
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,5 +73,5 @@ def train_reward_model(
 def center_reward_model(reward_model, tokenizer, prompts: list[str], responses: list[str]) -> float:
     """Shift the head's bias so these (SFT) samples score 0 on average; returns the shift."""
     mean = compute_scores(reward_model, build_batch(tokenizer, prompts, responses)).mean().item()
-    reward_model.score.bias.sub_(mean)
+    value_head(reward_model).bias.sub_(mean)
     return -mean

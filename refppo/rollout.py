@@ -18,15 +18,22 @@ the last valid response token.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval
 from refppo.functional import last_valid_index, logprobs_and_entropy_from_logits, logprobs_from_logits
-from refppo.models import autocast
 
 TRUNCATION_MODES = ("error", "left", "right")
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (weights and optimiser stay float32), nothing on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

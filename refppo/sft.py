@@ -10,7 +10,7 @@ import torch
 
 from refppo.losses import agg_loss
 from refppo.rollout import build_batch, response_log_probs
-from refppo.trainer import EpochSampler
+from refppo.data import EpochSampler
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -6,13 +6,24 @@
 3. Update: ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation) for
    the critic and the actor, each with its own optimiser, gradient clipping and LR schedule.
 
+The batch of a step: generate gives the keys listed in ``refppo.rollout``; evaluate adds, all
+(B, R) float32 and 0 after the response unless said:
+
+- ``ref_log_prob``: log pi_ref of each response token (when a KL uses the reference);
+- ``old_log_probs``: log pi_old, the actor before this step's update (the rollout's own
+  log-probs in ``policy_mode=bypass``); ``rollout_is_weights``: min(pi_old / pi_rollout, C)
+  (``policy_mode=rollout_correction`` only);
+- ``values``: the critic's V(s_t) (when the advantage estimator reads values);
+- ``token_level_scores``: the score on the last valid token; ``token_level_rewards``: the
+  same minus beta * KL per token when ``algorithm.use_kl_in_reward``, else equal to it;
+- ``advantages``, ``returns``: from the advantage estimator.
+
 The reward model and the reference are frozen. Metrics use verl's names and are gathered once
 per step.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import resource
 import time
@@ -21,12 +32,14 @@ from contextlib import contextmanager
 
 import torch
 
-from refppo.advantages import get_adv_estimator_fn
-from refppo.config import Config, OptimConfig, critic_epochs, critic_mini_batch_size
+from refppo.advantages import ADV_ESTIMATORS, needs_critic
+from refppo.config import Config, critic_epochs, critic_mini_batch_size
+from refppo.data import EpochSampler
 from refppo.functional import masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
-from refppo.losses import agg_loss, agg_loss_weight, compute_policy_loss, compute_ppo_penalty_loss, compute_value_loss
+from refppo.losses import POLICY_LOSSES, agg_loss, agg_loss_weight, compute_value_loss
 from refppo.models import make_reference
+from refppo.optim import make_optimizer
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout import (
     compute_log_probs,
@@ -40,65 +53,6 @@ from refppo.rollout import (
 )
 
 RewardFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
-
-
-class EpochSampler:
-    """Epochs over a list of records, each in a seeded random order; state is (epoch, cursor).
-
-    Serves PPO prompts, SFT examples and reward-model pairs alike.
-
-    Args:
-        records: the items (prompt dicts, (prompt, response) pairs, ...).
-        batch_size: records per batch.
-        seed: the order of epoch e is a permutation drawn from seed + e.
-    """
-
-    def __init__(self, records: list[dict], batch_size: int, seed: int):
-        if not records:
-            raise ValueError("the dataset is empty")
-        self.records, self.batch_size, self.seed = records, batch_size, seed
-        self.epoch, self.cursor = 0, 0
-
-    def _order(self) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.records), generator=gen).tolist()
-
-    def next_batch(self) -> list[dict]:
-        """The next ``batch_size`` records (an epoch boundary continues into the next epoch)."""
-        out = []
-        while len(out) < self.batch_size:
-            order = self._order()
-            take = order[self.cursor : self.cursor + self.batch_size - len(out)]
-            out += [self.records[i] for i in take]
-            self.cursor += len(take)
-            if self.cursor == len(order):
-                self.epoch, self.cursor = self.epoch + 1, 0
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
-
-
-def make_optimizer(params, optim: OptimConfig, total_steps: int):
-    """AdamW and a LambdaLR schedule: linear warm-up, then constant or cosine to 0 at ``total_steps``.
-
-    Returns:
-        (optimizer, scheduler); the scheduler steps once per training step.
-    """
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-
-    def factor(step: int) -> float:
-        if step < optim.lr_warmup_steps:
-            return (step + 1) / optim.lr_warmup_steps
-        if optim.lr_scheduler == "cosine":
-            done = (step - optim.lr_warmup_steps) / max(1, total_steps - optim.lr_warmup_steps)
-            return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def check_scores(scores, rows: int, source: str) -> torch.Tensor:
@@ -118,7 +72,7 @@ class PPOTrainer:
         config: the run's Config (validated).
         tokenizer: a prepared tokenizer (pad distinct from EOS).
         actor: the causal LM to train (a peft model for LoRA), initialised from the SFT model.
-        critic: a scalar-head model; required when ``algorithm.adv_estimator == "gae"``.
+        critic: a scalar-head model when the advantage estimator reads ``values`` (GAE), else None.
         train_records, val_records: prompt dicts (``data.prompt_key`` plus whatever the reward
             function reads, e.g. "answer").
         reward_fn: ``fn(prompts, responses, records) -> (B,)`` scores, used when no reward model.
@@ -144,9 +98,10 @@ class PPOTrainer:
         c = config
         if reward_fn is None and reward_model is None:
             raise ValueError("PPOTrainer needs a reward_fn or a reward_model")
-        self.use_critic = c.algorithm.adv_estimator == "gae"
-        if self.use_critic and critic is None:
-            raise ValueError("algorithm.adv_estimator=gae needs a critic")
+        self.use_critic = needs_critic(c.algorithm.adv_estimator)
+        if self.use_critic != (critic is not None):
+            needs = "needs a critic" if self.use_critic else "uses no critic: pass critic=None"
+            raise ValueError(f"algorithm.adv_estimator={c.algorithm.adv_estimator} {needs}")
         self.config, self.tokenizer, self.actor, self.critic = c, tokenizer, actor, critic
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.extra_reward_fns = extra_reward_fns or {}
@@ -250,16 +205,7 @@ class PPOTrainer:
                 batch["token_level_rewards"] = rewards
             else:
                 batch["token_level_rewards"] = batch["token_level_scores"]
-            estimator = get_adv_estimator_fn(c.algorithm.adv_estimator)
-            if self.use_critic:
-                adv, returns = estimator(batch["token_level_rewards"], batch["values"], mask, c.algorithm.gamma, c.algorithm.lam)
-            elif c.algorithm.adv_estimator == "grpo":
-                adv, returns = estimator(
-                    batch["token_level_rewards"], mask, batch["index"], norm_adv_by_std_in_grpo=c.algorithm.norm_adv_by_std_in_grpo
-                )
-            else:
-                adv, returns = estimator(batch["token_level_rewards"], mask, batch["index"])
-            batch["advantages"], batch["returns"] = adv, returns
+            batch["advantages"], batch["returns"] = ADV_ESTIMATORS.call(c.algorithm.adv_estimator, **batch, **vars(c.algorithm))
         return stats
 
     # ---- phase 3: update ---------------------------------------------------------------
@@ -302,33 +248,13 @@ class PPOTrainer:
         a, temp = self.config.actor, self.config.rollout.temperature
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.actor, mb, temp, calculate_entropy=True)
-        if a.policy_loss == "clip":
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                mb["old_log_probs"],
-                log_prob,
-                mb["advantages"],
-                mask,
-                a.clip_ratio,
-                a.clip_ratio_low,
-                a.clip_ratio_high,
-                a.clip_ratio_c,
-                a.loss_agg_mode,
-                mb.get("rollout_is_weights"),
-            )
-        else:
-            pg_loss, ppo_kl = compute_ppo_penalty_loss(
-                mb["old_log_probs"], log_prob, mb["advantages"], mask, a.penalty_kl_coef, a.penalty_kl_type, a.loss_agg_mode
-            )
-            clipfrac = clipfrac_lower = torch.zeros((), device=self.device)
+        pg_loss, pg_metrics = POLICY_LOSSES.call(
+            a.policy_loss, old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
+            response_mask=mask, rollout_is_weights=mb.get("rollout_is_weights"), **vars(a),
+        )  # fmt: skip
         entropy_mean = agg_loss(entropy, mask, a.loss_agg_mode)
         loss = pg_loss - a.entropy_coeff * entropy_mean
-        stats = {
-            "actor/pg_loss": pg_loss.detach(),
-            "actor/pg_clipfrac": clipfrac,
-            "actor/ppo_kl": ppo_kl,
-            "actor/pg_clipfrac_lower": clipfrac_lower,
-            "actor/entropy": entropy_mean.detach(),
-        }
+        stats = {"actor/pg_loss": pg_loss.detach(), **pg_metrics, "actor/entropy": entropy_mean.detach()}
         if a.use_kl_loss:
             kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode)
             loss = loss + a.kl_loss_coef * kl_loss

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from refppo.config import Config, apply_overrides, config_from_dict, config_to_dict, validate
@@ -70,3 +73,8 @@ def test_round_trip_through_a_dict():
     c = apply_overrides(Config(), ["actor.clip_ratio_c=null", "algorithm.gamma=0.5", "actor.optim.betas=0.8,0.9"])
     assert config_from_dict(config_to_dict(c)) == c
     assert validate(Config()) == Config()
+
+
+def test_importing_the_config_loads_no_model_library():
+    code = "import sys, refppo.config; sys.exit('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

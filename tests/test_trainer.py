@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from _trainers import make_trainer
-from refppo.config import Config, apply_overrides
 from refppo.runs import RunFolder
-from refppo.trainer import EpochSampler, check_scores, fit, make_optimizer
+from refppo.trainer import check_scores, fit
 
 
 def _run(trainer, steps):
@@ -170,27 +169,3 @@ def test_reward_function_errors():
     with pytest.raises(ValueError, match="non-finite score"):
         make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), float("nan"))).train_step()
     assert check_scores([1, 2], 2, "x").dtype == torch.float32
-
-
-def test_epoch_sampler_epochs_and_state():
-    sampler = EpochSampler([{"i": i} for i in range(10)], 4, seed=0)
-    seen = [r["i"] for _ in range(5) for r in sampler.next_batch()]
-    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
-    state = sampler.state_dict()
-    after = sampler.next_batch()
-    sampler.load_state_dict(state)
-    assert sampler.next_batch() == after
-    with pytest.raises(ValueError, match="the dataset is empty"):
-        EpochSampler([], 4, 0)
-
-
-def test_lr_schedule_matches_the_formula():
-    config = apply_overrides(Config(), ["actor.optim.lr=1.0", "actor.optim.lr_warmup_steps=4", "actor.optim.lr_scheduler=cosine"])
-    opt, sched = make_optimizer([torch.nn.Parameter(torch.zeros(1))], config.actor.optim, total_steps=14)
-    lrs = []
-    for _ in range(14):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    expected = [(s + 1) / 4 for s in range(4)] + [0.5 * (1 + math.cos(math.pi * (s - 4) / 10)) for s in range(4, 14)]
-    assert lrs == pytest.approx(expected)

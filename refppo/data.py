@@ -1,0 +1,106 @@
+"""Data: prompt records from files or the offline tasks, and the epoch sampler that serves PPO
+prompts, SFT demonstrations and reward-model comparisons alike."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from refppo.config import Config
+from refppo.tasks import arithmetic, preference
+
+
+class EpochSampler:
+    """Epochs over a list of records, each in a seeded random order; state is (epoch, cursor).
+
+    Serves PPO prompts, SFT examples and reward-model pairs alike.
+
+    Args:
+        records: the items (prompt dicts, (prompt, response) pairs, ...).
+        batch_size: records per batch.
+        seed: the order of epoch e is a permutation drawn from seed + e.
+    """
+
+    def __init__(self, records: list[dict], batch_size: int, seed: int):
+        if not records:
+            raise ValueError("the dataset is empty")
+        self.records, self.batch_size, self.seed = records, batch_size, seed
+        self.epoch, self.cursor = 0, 0
+
+    def _order(self) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.records), generator=gen).tolist()
+
+    def next_batch(self) -> list[dict]:
+        """The next ``batch_size`` records (an epoch boundary continues into the next epoch)."""
+        out = []
+        while len(out) < self.batch_size:
+            order = self._order()
+            take = order[self.cursor : self.cursor + self.batch_size - len(out)]
+            out += [self.records[i] for i in take]
+            self.cursor += len(take)
+            if self.cursor == len(order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        """Where the sampler stands: {"epoch": int, "cursor": int}."""
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`."""
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+
+def load_records(path: str, prompt_key: str) -> list[dict]:
+    """Prompt records from a JSONL or Parquet file; each needs ``prompt_key``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file {path!r} does not exist")
+    if path.endswith(".parquet"):
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
+        records = pd.read_parquet(path).to_dict("records")
+    else:
+        records = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
+    for n, rec in enumerate(records, 1):
+        if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
+            raise ValueError(f"{path}: record {n} has no string field {prompt_key!r} (data.prompt_key)")
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+def task_data(config: Config) -> tuple[list[dict], list[dict], object]:
+    """(train records, held-out records, default reward function) of ``data.task``."""
+    d = config.data
+    if d.task == "arithmetic":
+        train, held = arithmetic.make_problems(n_heldout=d.val_size)
+        as_records = lambda ps: [{"prompt": p.prompt, "answer": p.answer} for p in ps]  # noqa: E731
+        return as_records(train), as_records(held), arithmetic.exact_match_reward
+    if d.task == "preference":
+        return preference.make_prompts(4000, seed=1), preference.make_prompts(d.val_size, seed=2), preference.gold_reward
+    train = load_records(d.train_files, d.prompt_key)
+    val = load_records(d.val_files, d.prompt_key) if d.val_files else train[: d.val_size]
+    return train, val, None
+
+
+def sft_examples(config: Config) -> list[tuple[str, str]]:
+    """(prompt, response) demonstrations of ``data.task`` for ``refppo sft``."""
+    if config.data.task == "arithmetic":
+        train, _ = arithmetic.make_problems(n_heldout=config.data.val_size)
+        teacher_seed = config.trainer.seed
+        return arithmetic.make_demonstrations(train[: config.sft.n_examples], config.sft.teacher_carry_error, teacher_seed)
+    if config.data.task == "preference":
+        return preference.make_sft_examples(config.sft.n_examples or 4000, seed=3)
+    raise ValueError("refppo sft builds its data from data.task=arithmetic or preference")

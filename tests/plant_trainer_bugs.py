@@ -1,0 +1,73 @@
+"""Do the trainer tests bite? Plant one-line wiring bugs in refppo/trainer.py (and the registry
+adapters it calls), one at a time, and count how many the tests catch.
+
+    python tests/plant_trainer_bugs.py [test files...]   # default: the trainer and registry tests
+
+Each bug is planted in a copy of the package in a temporary folder (put first on PYTHONPATH), so
+the working tree is never touched, even if the run is killed. Not collected by pytest (its name
+does not start with test_). Recorded on a 2-core CPU, 2026-11-22 (16-32 s a bug): the trainer,
+wiring and registry tests catch 18 of 18. Before test_trainer_wiring.py, test_trainer.py alone
+caught 3 of the 14 trainer.py bugs that were planted then.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUGS = [
+    ("reference log-probs from the actor", "compute_log_probs(self.reference, batch, temp", "compute_log_probs(self.actor, batch, temp"),
+    ("IS weights inverted", 'torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])', 'torch.exp(batch["rollout_log_probs"] - batch["old_log_probs"])'),
+    ("IS weights clamped from below", "weights.clamp(max=c.actor.rollout_is_threshold)", "weights.clamp(min=c.actor.rollout_is_threshold)"),
+    ("KL in the reward: arguments swapped", 'batch["old_log_probs"], batch["ref_log_prob"], mask, beta', 'batch["ref_log_prob"], batch["old_log_probs"], mask, beta'),
+    ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
+    ("KL computed but not put in the reward", 'batch["token_level_rewards"] = rewards', 'batch["token_level_rewards"] = batch["token_level_scores"]'),
+    ("micro-batch losses not weighted", '(loss * agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)).backward()', "loss.backward()"),
+    ("temperature ignored in the update", "response_log_probs(self.actor, mb, temp, calculate_entropy=True)", "response_log_probs(self.actor, mb, 1.0, calculate_entropy=True)"),
+    ("policy loss on the rollout's log-probs", 'old_log_prob=mb["old_log_probs"]', 'old_log_prob=mb["rollout_log_probs"]'),
+    ("policy loss on the returns", 'advantages=mb["advantages"]', 'advantages=mb["returns"]'),
+    ("entropy bonus with the wrong sign", "loss = pg_loss - a.entropy_coeff * entropy_mean", "loss = pg_loss + a.entropy_coeff * entropy_mean"),
+    ("KL loss on the old log-probs (no gradient)", 'kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)', 'kl_penalty(mb["old_log_probs"], mb["ref_log_prob"], a.kl_loss_type)'),
+    ("value loss: returns and old values swapped", 'vpreds, mb["returns"], mb["values"], mb["response_mask"]', 'vpreds, mb["values"], mb["returns"], mb["response_mask"]'),
+    ("critic uses the actor's epochs", "c.critic.grad_clip, critic_epochs(c),", "c.critic.grad_clip, c.actor.ppo_epochs,"),
+    ("explained variance over the values", '(masked_var(batch["returns"], mask) + 1e-5)', '(masked_var(batch["values"], mask) + 1e-5)'),
+    ("losses.py", "clip adapter: bounds swapped", "clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,", "clip_ratio, clip_ratio_high, clip_ratio_low, clip_ratio_c,"),
+    ("losses.py", "penalty adapter: KL type for the coefficient", "penalty_kl_coef, penalty_kl_type, loss_agg_mode\n", "0.1, penalty_kl_type, loss_agg_mode\n"),
+    ("advantages.py", "needs_critic reads the wrong input", 'return ADV_ESTIMATORS.takes(adv_estimator, "values")', 'return ADV_ESTIMATORS.takes(adv_estimator, "response_mask")'),
+]
+BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
+
+
+def main(tests: list[str]) -> None:
+    originals = {file: (ROOT / "refppo" / file).read_text() for file, *_ in BUGS}
+    for file, name, old, new in BUGS:
+        if originals[file].count(old) != 1:
+            raise SystemExit(f"bug {name!r}: its line is not in refppo/{file} exactly once; update BUGS")
+    caught = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for part in ("refppo", "tests"):
+            shutil.copytree(ROOT / part, Path(tmp) / part)
+        shutil.copy(ROOT / "pyproject.toml", tmp)
+        env = {**os.environ, "PYTHONPATH": tmp}
+        where = subprocess.run([sys.executable, "-c", "import refppo; print(refppo.__file__)"], cwd=tmp, env=env, capture_output=True, text=True)
+        if not where.stdout.startswith(tmp):
+            raise SystemExit(f"the copy is not the refppo imported: {where.stdout or where.stderr}")
+        if subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *tests], cwd=tmp, env=env, capture_output=True).returncode:
+            raise SystemExit("the tests fail without a planted bug; fix them first")
+        for file, name, old, new in BUGS:
+            (Path(tmp) / "refppo" / file).write_text(originals[file].replace(old, new))
+            start = time.perf_counter()
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *tests], cwd=tmp, env=env, capture_output=True, text=True)
+            caught += run.returncode != 0
+            verdict = "caught" if run.returncode != 0 else "MISSED"
+            print(f"{file:14s} {name:45s} {verdict} ({time.perf_counter() - start:.0f} s)", flush=True)
+            (Path(tmp) / "refppo" / file).write_text(originals[file])
+    print(f"caught {caught} of {len(BUGS)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["tests/test_trainer.py", "tests/test_trainer_wiring.py", "tests/test_registry.py"])
