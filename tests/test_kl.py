@@ -17,6 +17,14 @@ from refppo.kl import (
 )
 
 
+BUILT_IN = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+NAMES = BUILT_IN + tuple(name + "+" for name in BUILT_IN)
+
+
+def test_every_built_in_estimator_and_its_plus_form_is_registered():
+    assert set(NAMES) <= set(kl_penalty_types())
+
+
 def ref_estimator(lp, ref, name):
     """The estimators written from Schulman's note, float64; r = pi_ref / pi."""
     x = lp - ref
@@ -30,7 +38,7 @@ def ref_estimator(lp, ref, name):
     return min(max(math.exp(log_r) - 1 - log_r, -10.0), 10.0)
 
 
-@given(batches(), st.sampled_from(kl_penalty_types()))
+@given(batches(), st.sampled_from(NAMES))
 def test_estimators_match_formulas(b, name):
     gen, batch, length, _ = b
     lp = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 4
