@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from refppo.data import EpochSampler
 from refppo.models import value_head
 from refppo.rollout import build_batch, compute_scores, response_scores
-from refppo.data import EpochSampler
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
