@@ -89,6 +89,8 @@ class RolloutConfig:
     top_k: int = -1
     top_p: float = 1.0
     n: int = 1  # responses per prompt (GRPO / RLOO groups)
+    ignore_eos: bool = False  # every response runs to data.max_response_length (benchmarks)
+    cuda_graphs: bool = False  # CUDA only: decode over a static KV cache replayed as CUDA graphs
     log_prob_micro_batch_size_per_gpu: int | None = None
 
 
@@ -348,6 +350,7 @@ def validate(config: Config) -> Config:
     _require(0 <= a.clip_ratio < 1, f"actor.clip_ratio must be in [0, 1), got {a.clip_ratio}")
     _require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
     _require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _require(not (r.cuda_graphs and t.device == "cpu"), "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu")
     _require(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     _require(a.rollout_is_threshold > 0, "actor.rollout_is_threshold must be > 0")
     _require(

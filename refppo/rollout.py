@@ -19,12 +19,18 @@ the last valid response token.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval
 from refppo.functional import last_valid_index, logprobs_and_entropy_from_logits, logprobs_from_logits
+
+if TYPE_CHECKING:
+    from transformers import StaticCache
 
 TRUNCATION_MODES = ("error", "left", "right")
 
@@ -189,6 +195,50 @@ def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_t
         )
 
 
+@functools.cache
+def _static_cache_class() -> type:
+    from transformers import StaticCache  # here: importing refppo.config must not load transformers
+
+    class SameDtypeStaticCache(StaticCache):
+        """Under bf16 autocast the keys leave the rotary embedding in float32 and the values are
+        bf16; a static cache holds one dtype, so keys are stored as the values' dtype, which is
+        what attention casts them to anyway."""
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
+
+    return SameDtypeStaticCache
+
+
+class StaticDecoder:
+    """A decoding step over a static KV cache, compiled so that it replays as a CUDA graph.
+
+    Decoding one token is a few hundred small kernels; launched one by one from Python they,
+    not the arithmetic, set the pace on a GPU. ``torch.compile(mode="reduce-overhead")``
+    records the step once per batch shape and replays it; the cache keeps its buffers (reset,
+    not reallocated) so the recorded addresses stay valid. The step reads the weights
+    in place, so optimiser updates are seen. Built once per model (the trainer keeps one).
+
+    Args:
+        model: the causal LM that generates.
+        compile: False runs the same static-cache step eagerly (what the CPU tests check).
+    """
+
+    def __init__(self, model, compile: bool = True):
+        self.model = model
+        self.step = torch.compile(model, mode="reduce-overhead", dynamic=False) if compile else model
+        self._caches: dict[tuple[int, int], "StaticCache"] = {}
+
+    def cache(self, rows: int, length: int) -> StaticCache:
+        """An empty static cache of ``length`` slots for ``rows`` sequences, reused per shape."""
+        cache = self._caches.get((rows, length))
+        if cache is None:
+            cache = self._caches[rows, length] = _static_cache_class()(config=self.model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -204,6 +254,7 @@ def generate(
     ignore_eos: bool = False,
     n: int = 1,
     generator: torch.Generator | None = None,
+    decoder: StaticDecoder | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sample responses token by token with a KV cache, recording each token's log-prob.
 
@@ -223,6 +274,8 @@ def generate(
             valid tokens, EOS or not.
         n: samples per prompt (``rollout.n``); copies of a prompt are adjacent rows.
         generator: random source for sampling.
+        decoder: a :class:`StaticDecoder` of ``model`` (a static KV cache, each decoding step
+            replayed from a CUDA graph); None decodes eagerly with a growing cache.
 
     Returns:
         The batch dict described in the module docstring, B = N * n rows.
@@ -235,13 +288,30 @@ def generate(
     eos_ids = torch.tensor(eos, device=device)
     batch = prompts.shape[0]
 
-    positions = position_ids_from_mask(prompt_mask)
+    width = prompts.shape[1]
+    # Masks and positions of every slot a response can fill, so no step allocates or syncs.
+    full_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
+    positions = position_ids_from_mask(full_mask)
+    slots = torch.arange(width + max_new_tokens, device=device)
+    if decoder is None:
+        cache, step_model = None, model
+    else:
+        cache, step_model = decoder.cache(batch, width + max_new_tokens), decoder.step
+
+    def inputs(start: int, end: int) -> dict:
+        """Mask, positions (and, for a static cache, its slots) for the tokens at start..end-1."""
+        if decoder is None:
+            return dict(attention_mask=full_mask[:, :end], position_ids=positions[:, start:end])
+        # A static cache attends over all its slots; the causal mask hides the unwritten ones.
+        return dict(attention_mask=full_mask, position_ids=positions[:, start:end], cache_position=slots[start:end])
+
+    # A host sync per token stalls a GPU: there, check for "all finished" every 8 tokens.
+    check_every = 1 if device.type == "cpu" else 8
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     hit_eos = torch.zeros_like(done)
     tokens, valid, log_probs = [], [], []
     with autocast(device):
-        out = model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache_mask, next_pos = prompt_mask, positions[:, -1:]
+        out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs(0, width))
     for step in range(max_new_tokens):
         token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
         is_valid = ~done
@@ -252,23 +322,23 @@ def generate(
         hit_eos |= is_valid & torch.isin(token, eos_ids)
         if not ignore_eos:
             done = hit_eos
-        if step == max_new_tokens - 1 or (not ignore_eos and bool(done.all())):
+        last = step == max_new_tokens - 1
+        if last or (not ignore_eos and (step + 1) % check_every == 0 and bool(done.all())):
             break
         # Finished rows keep decoding pad; their outputs are discarded.
-        cache_mask = torch.cat([cache_mask, torch.ones_like(cache_mask[:, :1])], dim=1)
-        next_pos = next_pos + 1
         with autocast(device):
-            out = model(
-                input_ids=token[:, None],
-                attention_mask=cache_mask,
-                position_ids=next_pos,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+            out = step_model(
+                input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True,
+                **inputs(width + step, width + step + 1),
+            )  # fmt: skip
 
-    batch = _sequence_batch(prompts, prompt_mask, torch.stack(tokens, dim=1), torch.stack(valid, dim=1).long())
+    valid = torch.stack(valid, dim=1)
+    # Steps after every row finished (between two checks) hold only padding: drop them.
+    keep = int(valid.any(dim=0).sum())
+    tokens, log_probs = torch.stack(tokens, dim=1)[:, :keep], torch.stack(log_probs, dim=1)[:, :keep]
+    batch = _sequence_batch(prompts, prompt_mask, tokens, valid[:, :keep].long())
     return batch | {
-        "rollout_log_probs": torch.stack(log_probs, dim=1),
+        "rollout_log_probs": log_probs,
         "is_truncated": ~hit_eos,
         "index": torch.arange(prompts.shape[0] // n, device=device).repeat_interleave(n),
     }

@@ -42,6 +42,7 @@ from refppo.models import make_reference
 from refppo.optim import make_optimizer
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout import (
+    StaticDecoder,
     compute_log_probs,
     compute_scores,
     compute_values,
@@ -107,6 +108,9 @@ class PPOTrainer:
         self.extra_reward_fns = extra_reward_fns or {}
         self.val_records = val_records
         self.device = actor.device
+        if c.rollout.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"rollout.cuda_graphs=true needs the actor on a CUDA device, not {self.device}")
+        self.decoder = StaticDecoder(actor) if c.rollout.cuda_graphs else None
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
         self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed)
@@ -141,8 +145,10 @@ class PPOTrainer:
             top_k=c.rollout.top_k,
             top_p=c.rollout.top_p,
             do_sample=do_sample,
+            ignore_eos=c.rollout.ignore_eos,
             n=n,
             generator=self.gen,
+            decoder=self.decoder,
         )
 
     def _texts(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

@@ -62,6 +62,7 @@ def test_bad_values():
         (["critic.ppo_epochs=0"], "critic.ppo_epochs must be >= 1"),
         (["reward_model.missing_eos_penalty=-1"], "reward_model.missing_eos_penalty must be >= 0, got -1.0"),
         (["sft.teacher_carry_error=1.5"], r"sft.teacher_carry_error must be in \[0, 1\]"),
+        (["rollout.cuda_graphs=true", "trainer.device=cpu"], "rollout.cuda_graphs=true needs a CUDA device"),
     ],
 )
 def test_validation_errors(overrides, message):
