@@ -1,12 +1,29 @@
 """Input checks shared by the math modules.
 
 Shape checks cost nothing. Value checks (mask is 0/1, tensors are finite, enough valid tokens)
-read device data, so each public function gathers all of its value checks into one host sync.
+read device data, so each public function gathers all of its value checks into one host sync,
+and a loop that has checked its inputs once can turn them off inside (:func:`value_checks`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_VALUE_CHECKS = contextvars.ContextVar("refppo_value_checks", default=True)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Turn :func:`check_values` on or off inside a block (the trainer's update loop checks its
+    batch once per step, then runs its micro-batches without a host sync for checks)."""
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
 
 
 def check_same_shape(**tensors: torch.Tensor) -> None:
@@ -49,7 +66,7 @@ def check_values(
     min_valid: tuple[str, torch.Tensor, int] | None = None,
     where: torch.Tensor | None = None,
 ) -> None:
-    """Run all value checks of one call with a single host sync.
+    """Run all value checks of one call with a single host sync (none inside ``value_checks(False)``).
 
     Args:
         masks: name -> mask tensor that must hold only 0 and 1.
@@ -58,6 +75,8 @@ def check_values(
         where: if given, a 0/1 mask: ``finite`` is only required where it is 1 (padding may
             hold anything, since masked reductions never read it).
     """
+    if not _VALUE_CHECKS.get():
+        return
     labels: list[str] = []
     flags: list[torch.Tensor] = []
     for name, m in (masks or {}).items():

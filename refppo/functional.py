@@ -106,17 +106,13 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long() * positions).argmax(dim=-1)
 
 
-def _chunk_rows(vocab: int, chunk_size: int | None) -> int:
-    return chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // vocab)
-
-
 def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     z = chunk.float()
     return z if temperature == 1.0 else z / temperature
 
 
 class _ChunkedLogSoftmax(torch.autograd.Function):
-    """log p(label) and entropy from logits, one block of rows at a time, in float32.
+    """log p(label) and (optionally) entropy from logits, one block of rows at a time, in float32.
 
     Nothing of size rows x vocab is kept between forward and backward: the backward pass
     recomputes the softmax of each block from the saved logits.
@@ -124,46 +120,36 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_size, want_entropy):
-        vocab = logits.shape[-1]
-        flat = logits.reshape(-1, vocab)
-        flat_labels = labels.reshape(-1) if labels is not None else None
+        flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         n = flat.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device) if labels is not None else None
-        ent = torch.empty(n, dtype=torch.float32, device=logits.device) if want_entropy else None
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=logits.device)
         for s in range(0, n, chunk_size):
             z = _scaled(flat[s : s + chunk_size], temperature)
             lse = torch.logsumexp(z, dim=-1)
-            if logp is not None:
-                logp[s : s + chunk_size] = z.gather(-1, flat_labels[s : s + chunk_size, None]).squeeze(-1) - lse
-            if ent is not None:
-                p = torch.exp(z - lse[:, None])
-                ent[s : s + chunk_size] = lse - (p * z).sum(-1)
+            logp[s : s + chunk_size] = z.gather(-1, flat_labels[s : s + chunk_size, None]).squeeze(-1) - lse
+            if want_entropy:
+                ent[s : s + chunk_size] = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
         ctx.save_for_backward(logits, labels)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        shape = logits.shape[:-1]
-        return (
-            logp.view(shape) if logp is not None else None,
-            ent.view(shape) if ent is not None else None,
-        )
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp.view(labels.shape), ent.view(labels.shape) if want_entropy else ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         logits, labels = ctx.saved_tensors
         t, c = ctx.temperature, ctx.chunk_size
-        vocab = logits.shape[-1]
-        flat = logits.reshape(-1, vocab)
+        flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         grad = torch.empty_like(flat)
-        g_lp = grad_logp.reshape(-1).float() if grad_logp is not None else None
-        g_en = grad_ent.reshape(-1).float() if grad_ent is not None else None
-        flat_labels = labels.reshape(-1) if labels is not None else None
+        g_lp = grad_logp.reshape(-1).float()
+        g_en = grad_ent.reshape(-1).float() if grad_ent.numel() else None
         for s in range(0, flat.shape[0], c):
             z = _scaled(flat[s : s + c], t)
             p = torch.softmax(z, dim=-1)
-            g = torch.zeros_like(z)
-            if g_lp is not None:
-                # d log p_y / dz = onehot(y) - p
-                g.addcmul_(p, g_lp[s : s + c, None], value=-1.0)
-                g.scatter_add_(-1, flat_labels[s : s + c, None], g_lp[s : s + c, None])
+            # d log p_y / dz = onehot(y) - p
+            g = p * -g_lp[s : s + c, None]
+            g.scatter_add_(-1, flat_labels[s : s + c, None], g_lp[s : s + c, None])
             if g_en is not None:
                 # dH / dz = -p * (z - E_p[z])
                 mean_z = (p * z).sum(-1, keepdim=True)
@@ -172,21 +158,14 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         return grad.view_as(logits), None, None, None, None
 
 
-def _check_logits(logits: torch.Tensor, temperature: float, labels: torch.Tensor | None = None) -> None:
-    if logits.dim() < 2:
-        raise ValueError(f"logits must have shape (..., vocab), got {tuple(logits.shape)}")
-    if labels is not None and labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} must equal logits shape without vocab {tuple(logits.shape[:-1])}"
-        )
-    if not float(temperature) > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-
-
 def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None
-) -> torch.Tensor:
-    """log softmax(logits / temperature)[label], in float32, chunked over rows.
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    calculate_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature)[label] (and the entropy), in float32, chunked over rows.
 
     Peak extra memory is a few chunk x vocab float32 buffers instead of a full
     (..., vocab) float32 log-softmax; gradients flow to ``logits`` (recomputed per chunk).
@@ -196,47 +175,17 @@ def logprobs_from_logits(
         labels: (...) int64 token ids.
         temperature: the sampling temperature; logits are divided by it.
         chunk_size: rows per chunk; default keeps a chunk near 4M elements.
+        calculate_entropy: also return the entropy (nats) of each softmax, from the same pass.
 
     Returns:
-        (...) float32 log-probabilities.
+        (...) float32 log-probabilities; with ``calculate_entropy`` a (log_probs, entropy) pair.
     """
-    _check_logits(logits, temperature, labels)
-    c = _chunk_rows(logits.shape[-1], chunk_size)
-    return _ChunkedLogSoftmax.apply(logits, labels, float(temperature), c, False)[0]
-
-
-def entropy_from_logits(
-    logits: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None
-) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature), in float32, chunked over rows.
-
-    Args:
-        logits: (..., vocab) tensor, any float dtype.
-        temperature: the sampling temperature.
-        chunk_size: rows per chunk; default keeps a chunk near 4M elements.
-
-    Returns:
-        (...) float32 entropies (nats).
-    """
-    _check_logits(logits, temperature)
-    c = _chunk_rows(logits.shape[-1], chunk_size)
-    return _ChunkedLogSoftmax.apply(logits, None, float(temperature), c, True)[1]
-
-
-def logprobs_and_entropy_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both log-probs and entropy in one pass over the logits (see the two functions above).
-
-    Args:
-        logits: (..., vocab) tensor.
-        labels: (...) int64 token ids.
-        temperature: the sampling temperature.
-        chunk_size: rows per chunk.
-
-    Returns:
-        ((...) float32 log-probs, (...) float32 entropies).
-    """
-    _check_logits(logits, temperature, labels)
-    c = _chunk_rows(logits.shape[-1], chunk_size)
-    return _ChunkedLogSoftmax.apply(logits, labels, float(temperature), c, True)
+    if logits.dim() < 2 or labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"logits must be (..., vocab) and labels (...): got logits {tuple(logits.shape)}, labels shape {tuple(labels.shape)}"
+        )
+    if not float(temperature) > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // logits.shape[-1])
+    logp, ent = _ChunkedLogSoftmax.apply(logits, labels, float(temperature), rows, calculate_entropy)
+    return (logp, ent) if calculate_entropy else logp

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from refppo.checks import check_choice, check_same_shape, check_values
-from refppo.functional import entropy_from_logits, masked_mean, masked_sum
+from refppo.functional import masked_mean, masked_sum
 from refppo.kl import kl_penalty as kl_penalty_fn
 from refppo.registry import Registry
 
@@ -68,7 +68,6 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     Returns:
         Scalar tensor.
     """
-    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     _check_loss_inputs(loss_mask, loss_mat=loss_mat)
     return _agg_loss(loss_mat, loss_mask, loss_agg_mode)
 
@@ -140,7 +139,6 @@ def compute_policy_loss(
         raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {low}, {high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip (or None to turn it off), got {clip_ratio_c}")
-    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
     _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
 
@@ -199,7 +197,6 @@ def compute_ppo_penalty_loss(
     """
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     kl = kl_penalty_fn(old_log_prob.detach(), log_prob, kl_penalty)
@@ -277,7 +274,6 @@ def compute_value_loss(
     """
     if cliprange_value is not None and not cliprange_value > 0:
         raise ValueError(f"cliprange_value must be > 0 (or None), got {cliprange_value}")
-    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     _check_loss_inputs(response_mask, vpreds=vpreds, returns=returns, values=values)
     vf_losses1 = (vpreds - returns) ** 2
     if cliprange_value is None:
@@ -289,27 +285,3 @@ def compute_value_loss(
         vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
     vf_loss = 0.5 * _agg_loss(clipped_vf_losses, response_mask, loss_agg_mode)
     return vf_loss, vf_clipfrac.detach()
-
-
-def compute_entropy_loss(
-    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", temperature: float = 1.0
-) -> torch.Tensor:
-    """Aggregated entropy of the policy at the response positions (the bonus is -coef * this).
-
-    Args:
-        logits: (batch, T, vocab) logits at the positions that predict the response tokens.
-        response_mask: (batch, T) 0/1.
-        loss_agg_mode: see agg_loss.
-        temperature: the sampling temperature.
-
-    Returns:
-        Scalar mean entropy (nats).
-    """
-    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-    if logits.shape[:-1] != response_mask.shape:
-        raise ValueError(
-            f"logits shape {tuple(logits.shape)} does not match response_mask {tuple(response_mask.shape)} + vocab"
-        )
-    entropy = entropy_from_logits(logits, temperature)
-    _check_loss_inputs(response_mask, entropy=entropy)
-    return _agg_loss(entropy, response_mask, loss_agg_mode)

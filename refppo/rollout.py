@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval
-from refppo.functional import last_valid_index, logprobs_and_entropy_from_logits, logprobs_from_logits
+from refppo.functional import last_valid_index, logprobs_from_logits
 
 if TYPE_CHECKING:
     from transformers import StaticCache
@@ -282,6 +282,8 @@ def generate(
     """
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n)
+    if decoder is not None and decoder.model is not model:
+        raise ValueError("the decoder was built for another model: build a StaticDecoder of the model that generates")
     device = model.device
     prompts = prompts.to(device).repeat_interleave(n, dim=0)
     prompt_mask = attention_mask.to(device).long().repeat_interleave(n, dim=0)
@@ -395,7 +397,7 @@ def response_log_probs(
     logits = _forward(model, batch, logits_to_keep=width + 1).logits[:, :-1]
     labels = batch["responses"].to(model.device)
     if calculate_entropy:
-        log_probs, entropy = logprobs_and_entropy_from_logits(logits, labels, temperature)
+        log_probs, entropy = logprobs_from_logits(logits, labels, temperature, calculate_entropy=True)
         return log_probs.masked_fill(~mask, 0.0), entropy.masked_fill(~mask, 0.0)
     return logprobs_from_logits(logits, labels, temperature).masked_fill(~mask, 0.0), None
 

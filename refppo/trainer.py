@@ -18,8 +18,10 @@ The batch of a step: generate gives the keys listed in ``refppo.rollout``; evalu
   same minus beta * KL per token when ``algorithm.use_kl_in_reward``, else equal to it;
 - ``advantages``, ``returns``: from the advantage estimator.
 
-The reward model and the reference are frozen. Metrics use verl's names and are gathered once
-per step.
+The reward model and the reference are frozen. Metrics use verl's names and are gathered in
+one host transfer per step. The values the update reads are checked once, at the end of phase
+2; the update loop runs without value checks (no host sync per micro-batch). Held-out
+validation is :meth:`PPOTrainer.held_out_metrics`, not phase 2.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ import random
 import resource
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
+from refppo.checks import check_values, value_checks
 from refppo.config import Config, critic_epochs, critic_mini_batch_size
 from refppo.data import EpochSampler
 from refppo.functional import masked_mean, masked_var
@@ -178,40 +180,59 @@ class PPOTrainer:
         return scores.to(self.device), extras
 
     # ---- phase 2: evaluate -------------------------------------------------------------
-    def evaluate(self, batch: dict[str, torch.Tensor], scores: torch.Tensor, timing: dict) -> dict[str, torch.Tensor]:
-        """Add old/ref log-probs, values, token-level scores and rewards, advantages and returns."""
+    def evaluate(self, batch: dict[str, torch.Tensor], rows: list[dict], timing: dict) -> dict[str, torch.Tensor]:
+        """Score the responses and add the keys listed in the module docstring to ``batch``.
+
+        Args:
+            batch: a rollout from :meth:`generate`, B rows.
+            rows: the B records the rows answer (what the reward function reads).
+            timing: receives ``timing_s/reward``, ``/ref``, ``/old_log_prob``, ``/values``, ``/adv``.
+
+        Returns:
+            Metrics as detached scalars: ``reward/<name>/mean`` of the extra reward functions and,
+            with KL in the reward, its estimate and coefficient.
+        """
         c, mask = self.config, batch["response_mask"]
         temp = c.rollout.temperature
-        stats = {}
+        scores, extras = self._timed(timing, "reward", self.score, batch, rows)
+        stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
         if self.need_ref:
-            with self._timed(timing, "ref"):
-                batch["ref_log_prob"] = compute_log_probs(self.reference, batch, temp, c.ref.log_prob_micro_batch_size_per_gpu)
-        with self._timed(timing, "old_log_prob"):
-            if c.actor.policy_mode == "bypass":
-                batch["old_log_probs"] = batch["rollout_log_probs"]
-            else:
-                batch["old_log_probs"] = compute_log_probs(
-                    self.actor, batch, temp, c.rollout.log_prob_micro_batch_size_per_gpu
-                )
-            if c.actor.policy_mode == "rollout_correction":
-                weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])
-                batch["rollout_is_weights"] = weights.clamp(max=c.actor.rollout_is_threshold) * mask
+            micro = c.ref.log_prob_micro_batch_size_per_gpu
+            batch["ref_log_prob"] = self._timed(timing, "ref", compute_log_probs, self.reference, batch, temp, micro)
+        if c.actor.policy_mode == "bypass":
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            micro = c.rollout.log_prob_micro_batch_size_per_gpu
+            batch["old_log_probs"] = self._timed(timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro)
+        if c.actor.policy_mode == "rollout_correction":
+            weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])
+            batch["rollout_is_weights"] = weights.clamp(max=c.actor.rollout_is_threshold) * mask
         if self.use_critic:
-            with self._timed(timing, "values"):
-                batch["values"] = compute_values(self.critic, batch, c.critic.ppo_micro_batch_size_per_gpu)
-        with self._timed(timing, "adv"):
-            batch["token_level_scores"] = place_score_on_last_token(scores, mask)
-            if c.algorithm.use_kl_in_reward:
-                beta = self.kl_ctrl.value
-                rewards, current_kl = apply_kl_penalty(
-                    batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], mask, beta, c.algorithm.kl_penalty
-                )
-                self.kl_ctrl.update(float(current_kl), n_steps=mask.shape[0])
-                stats.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": torch.tensor(beta)})
-                batch["token_level_rewards"] = rewards
-            else:
-                batch["token_level_rewards"] = batch["token_level_scores"]
-            batch["advantages"], batch["returns"] = ADV_ESTIMATORS.call(c.algorithm.adv_estimator, **batch, **vars(c.algorithm))
+            micro = c.critic.ppo_micro_batch_size_per_gpu
+            batch["values"] = self._timed(timing, "values", compute_values, self.critic, batch, micro)
+        stats |= self._timed(timing, "adv", self._rewards_and_advantages, batch, scores)
+        # The update reads these in every micro-batch: check their values here, once per step.
+        check_values(
+            masks={"response_mask": mask},
+            finite={k: batch[k] for k in ("old_log_probs", "ref_log_prob", "values", "advantages", "returns") if k in batch},
+            where=mask,
+        )
+        return stats
+
+    def _rewards_and_advantages(self, batch: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Token-level scores and rewards (KL in the reward), then the advantage estimator."""
+        c, mask = self.config, batch["response_mask"]
+        stats = {}
+        batch["token_level_scores"] = place_score_on_last_token(scores, mask)
+        batch["token_level_rewards"] = batch["token_level_scores"]
+        if c.algorithm.use_kl_in_reward:
+            beta = self.kl_ctrl.value
+            batch["token_level_rewards"], current_kl = apply_kl_penalty(
+                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], mask, beta, c.algorithm.kl_penalty
+            )
+            self.kl_ctrl.update(float(current_kl), n_steps=mask.shape[0])
+            stats = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": torch.tensor(beta)}
+        batch["advantages"], batch["returns"] = ADV_ESTIMATORS.call(c.algorithm.adv_estimator, **batch, **vars(c.algorithm))
         return stats
 
     # ---- phase 3: update ---------------------------------------------------------------
@@ -228,26 +249,27 @@ class PPOTrainer:
         rows = batch["response_mask"].shape[0]
         mini_rows = mini_size * self.config.rollout.n
         per_mini = []
-        for _ in range(epochs):
-            order = torch.randperm(rows, generator=self.shuffle_gen).to(self.device)
-            for idx in order.split(mini_rows):
-                mini = {k: v[idx] for k, v in batch.items()}
-                optimizer.zero_grad(set_to_none=True)
-                stats: dict[str, torch.Tensor] = {}
-                for mb in micro_batches(mini, micro_size):
-                    loss, micro_stats = micro_loss(mb)
-                    (loss * agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)).backward()
-                    share = mb["response_mask"].sum() / mini["response_mask"].sum()
-                    for k, v in micro_stats.items():
-                        stats[k] = stats.get(k, 0.0) + share * v
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                finite = bool(torch.isfinite(grad_norm))
-                if finite:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                stats[f"{prefix}/grad_norm"] = grad_norm.detach()
-                stats[f"{prefix}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
-                per_mini.append(stats)
+        with value_checks(False):  # evaluate checked the batch once; no host sync per micro-batch
+            for _ in range(epochs):
+                order = torch.randperm(rows, generator=self.shuffle_gen).to(self.device)
+                for idx in order.split(mini_rows):
+                    mini = {k: v[idx] for k, v in batch.items()}
+                    optimizer.zero_grad(set_to_none=True)
+                    stats: dict[str, torch.Tensor] = {}
+                    for mb in micro_batches(mini, micro_size):
+                        loss, micro_stats = micro_loss(mb)
+                        (loss * agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)).backward()
+                        share = mb["response_mask"].sum() / mini["response_mask"].sum()
+                        for k, v in micro_stats.items():
+                            stats[k] = stats.get(k, 0.0) + share * v
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                    finite = bool(torch.isfinite(grad_norm))
+                    if finite:
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    stats[f"{prefix}/grad_norm"] = grad_norm.detach()
+                    stats[f"{prefix}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
+                    per_mini.append(stats)
         return per_mini
 
     def _actor_loss(self, mb):
@@ -276,35 +298,31 @@ class PPOTrainer:
         return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac}
 
     # ---- one step ----------------------------------------------------------------------
-    @contextmanager
-    def _timed(self, timing: dict, name: str):
+    def _timed(self, timing: dict, name: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its wall time (device work included) stored as ``timing_s/<name>``."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        yield
+        out = fn(*args, **kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timing[f"timing_s/{name}"] = time.perf_counter() - start
+        return out
 
-    def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, torch.Tensor, dict, dict]:
-        """Phases 1 and 2 for a batch of prompt records: generate, score, evaluate.
+    def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, dict]:
+        """Phases 1 and 2 for a batch of prompt records: generate, then evaluate.
 
         Args:
             records: the step's prompt records (``data.train_batch_size`` of them).
-            timing: receives ``timing_s/gen``, ``timing_s/reward`` and the evaluate timings.
+            timing: receives ``timing_s/gen`` and the evaluate timings.
 
         Returns:
-            (batch, scores (B,), extra scores by name, stats): the batch holds every key of
-            ``refppo.rollout.generate`` plus those ``evaluate`` adds; B = len(records) x rollout.n.
+            (batch, stats): the batch holds every key of ``refppo.rollout.generate`` plus those
+            ``evaluate`` adds, B = len(records) x rollout.n rows; stats as ``evaluate`` returns.
         """
         n = self.config.rollout.n
-        rows = [r for r in records for _ in range(n)]
-        with self._timed(timing, "gen"):
-            batch = self.generate(records, n)
-        with self._timed(timing, "reward"):
-            scores, extras = self.score(batch, rows)
-        stats = self.evaluate(batch, scores, timing)
-        return batch, scores, extras, stats
+        batch = self._timed(timing, "gen", self.generate, records, n)
+        return batch, self.evaluate(batch, [r for r in records for _ in range(n)], timing)
 
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
         """Phase 3: the critic's update, then the actor's (after ``trainer.critic_warmup`` steps).
@@ -320,36 +338,35 @@ class PPOTrainer:
         critic_minis, actor_minis = [], []
         if self.use_critic:
             self.critic.train()
-            with self._timed(timing, "update_critic"):
-                critic_minis = self._minibatch_updates(
-                    batch, self.critic_opt, self.critic_params, c.critic.grad_clip, critic_epochs(c),
-                    critic_mini_batch_size(c), c.critic.ppo_micro_batch_size_per_gpu, c.critic.loss_agg_mode,
-                    self._critic_loss, "critic",
-                )  # fmt: skip
+            critic_minis = self._timed(
+                timing, "update_critic", self._minibatch_updates, batch, self.critic_opt, self.critic_params,
+                c.critic.grad_clip, critic_epochs(c), critic_mini_batch_size(c), c.critic.ppo_micro_batch_size_per_gpu,
+                c.critic.loss_agg_mode, self._critic_loss, "critic",
+            )  # fmt: skip
             self.critic.eval()
             self.critic_sched.step()
         if self.step >= c.trainer.critic_warmup:
             self.actor.train()
-            with self._timed(timing, "update_actor"):
-                actor_minis = self._minibatch_updates(
-                    batch, self.actor_opt, self.actor_params, c.actor.grad_clip, c.actor.ppo_epochs,
-                    c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size_per_gpu, c.actor.loss_agg_mode,
-                    self._actor_loss, "actor",
-                )  # fmt: skip
+            actor_minis = self._timed(
+                timing, "update_actor", self._minibatch_updates, batch, self.actor_opt, self.actor_params,
+                c.actor.grad_clip, c.actor.ppo_epochs, c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size_per_gpu,
+                c.actor.loss_agg_mode, self._actor_loss, "actor",
+            )  # fmt: skip
             self.actor.eval()
             self.actor_sched.step()
         return critic_minis, actor_minis
 
     def train_step(self) -> dict[str, float]:
-        """Generate, evaluate and update once; returns the step's metrics."""
+        """One step: 1. generate, 2. evaluate, 3. update; returns the step's metrics."""
         c = self.config
         timing: dict[str, float] = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with self._timed(timing, "step"):
-            batch, scores, extras, stats = self.make_experience(self.sampler.next_batch(), timing)
-            critic_minis, actor_minis = self.update(batch, timing)
-            metrics = self._gather(batch, scores, extras, stats, critic_minis + actor_minis)
+        start = time.perf_counter()
+        batch, stats = self.make_experience(self.sampler.next_batch(), timing)  # phases 1 and 2
+        critic_minis, actor_minis = self.update(batch, timing)  # phase 3
+        metrics = self._gather(batch, stats, critic_minis + actor_minis)  # the step's one host sync
+        timing["timing_s/step"] = time.perf_counter() - start
         self.last_update_stats = [{k: float(v) for k, v in m.items()} for m in actor_minis]
         self.step += 1
         metrics.update(timing)
@@ -367,12 +384,12 @@ class PPOTrainer:
             return torch.cuda.max_memory_allocated(self.device) / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
-    def _gather(self, batch, scores, extras, stats, per_mini) -> dict[str, float]:
+    def _gather(self, batch, stats, per_mini) -> dict[str, float]:
         """All step metrics in one host transfer."""
         mask = batch["response_mask"]
         length = mask.sum(-1).float()
         out = dict(stats)
-        out["critic/score/mean"] = scores.mean()
+        out["critic/score/mean"] = batch["token_level_scores"].sum(-1).mean()
         out["critic/rewards/mean"] = batch["token_level_rewards"].sum(-1).mean()
         out["critic/advantages/mean"] = masked_mean(batch["advantages"], mask)
         out["critic/returns/mean"] = masked_mean(batch["returns"], mask)
@@ -382,8 +399,6 @@ class PPOTrainer:
             out["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(batch["returns"], mask) + 1e-5)
         out["response_length/mean"] = length.mean()
         out["response_length/clip_ratio"] = (length == self.config.data.max_response_length).float().mean()
-        for name, v in extras.items():
-            out[f"reward/{name}/mean"] = v.mean()
         keys = sorted({k for m in per_mini for k in m})
         for k in keys:
             values = [m[k] for m in per_mini if k in m]
@@ -393,8 +408,8 @@ class PPOTrainer:
         return dict(zip(names, flat))
 
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        """Held-out prompts, one greedy response each (``val/score``, ``val/<extra>``) and one
+    def held_out_metrics(self) -> dict[str, float]:
+        """Validation (verl's ``_validate``): held-out prompts, one greedy response each (``val/score``, ``val/<extra>``) and one
         sampled at the rollout temperature (``val/score_sampled``, what training optimises)."""
         out = {}
         for suffix, do_sample in (("", False), ("_sampled", True)):
@@ -475,14 +490,14 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
             run.log(step, metrics)
 
     if trainer.step == 0 and t.test_freq > 0:
-        record(0, trainer.validate())
+        record(0, trainer.held_out_metrics())
     bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not progress_bar, desc="ppo")
     while trainer.step < t.total_training_steps:
         metrics = trainer.train_step()
         step = trainer.step
         last = step == t.total_training_steps
         if t.test_freq > 0 and (step % t.test_freq == 0 or last):
-            metrics.update(trainer.validate())
+            metrics.update(trainer.held_out_metrics())
         record(step, metrics)
         if run is not None and ((t.save_freq > 0 and step % t.save_freq == 0) or last):
             run.save_checkpoint(step, lambda folder: torch.save(trainer.state_dict(), folder / "trainer_state.pt"))

@@ -5,8 +5,9 @@ adapters it calls), one at a time, and count how many the tests catch.
 
 Each bug is planted in a copy of the package in a temporary folder (put first on PYTHONPATH), so
 the working tree is never touched, even if the run is killed. Not collected by pytest (its name
-does not start with test_). Recorded on a 2-core CPU, 2026-11-22 (16-32 s a bug): the trainer,
-wiring and registry tests catch 18 of 18. Before test_trainer_wiring.py, test_trainer.py alone
+does not start with test_). Recorded on a 2-core CPU, 2026-11-23 (15-42 s a bug): the trainer,
+wiring and registry tests catch 19 of 19 (18 of 18 on 2026-11-22, before the batch check was
+planted too). Before test_trainer_wiring.py, test_trainer.py alone
 caught 3 of the 14 trainer.py bugs that were planted then.
 """
 
@@ -20,12 +21,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUGS = [
-    ("reference log-probs from the actor", "compute_log_probs(self.reference, batch, temp", "compute_log_probs(self.actor, batch, temp"),
+    ("reference log-probs from the actor", "compute_log_probs, self.reference, batch", "compute_log_probs, self.actor, batch"),
     ("IS weights inverted", 'torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])', 'torch.exp(batch["rollout_log_probs"] - batch["old_log_probs"])'),
     ("IS weights clamped from below", "weights.clamp(max=c.actor.rollout_is_threshold)", "weights.clamp(min=c.actor.rollout_is_threshold)"),
     ("KL in the reward: arguments swapped", 'batch["old_log_probs"], batch["ref_log_prob"], mask, beta', 'batch["ref_log_prob"], batch["old_log_probs"], mask, beta'),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
-    ("KL computed but not put in the reward", 'batch["token_level_rewards"] = rewards', 'batch["token_level_rewards"] = batch["token_level_scores"]'),
+    ("KL computed but not put in the reward", 'batch["token_level_rewards"], current_kl = apply_kl_penalty(', "_, current_kl = apply_kl_penalty("),
+    ("the batch's values not checked", 'finite={k: batch[k] for k in ("old_log_probs",', 'finite={k: batch[k] for k in ("unchecked",'),
     ("micro-batch losses not weighted", '(loss * agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)).backward()', "loss.backward()"),
     ("temperature ignored in the update", "response_log_probs(self.actor, mb, temp, calculate_entropy=True)", "response_log_probs(self.actor, mb, 1.0, calculate_entropy=True)"),
     ("policy loss on the rollout's log-probs", 'old_log_prob=mb["old_log_probs"]', 'old_log_prob=mb["rollout_log_probs"]'),

@@ -6,8 +6,6 @@ from _inputs import batches, make_mask
 from hypothesis import given
 
 from refppo.functional import (
-    entropy_from_logits,
-    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -85,16 +83,14 @@ def test_logprobs_and_entropy_match_plain_loops(chunk_size, temperature):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 11, generator=gen) * 3
     labels = torch.randint(0, 11, (3, 5), generator=gen)
-    logp = logprobs_from_logits(logits, labels, temperature, chunk_size)
-    ent = entropy_from_logits(logits, temperature, chunk_size)
-    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == (3, 5)
+    logp, ent = logprobs_from_logits(logits, labels, temperature, chunk_size, calculate_entropy=True)
+    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == ent.shape == (3, 5)
     for i in range(3):
         for t in range(5):
             ls = ref_log_softmax(logits[i, t].tolist(), temperature)
             assert logp[i, t].item() == pytest.approx(ls[int(labels[i, t])], abs=1e-5)
             assert ent[i, t].item() == pytest.approx(-sum(math.exp(x) * x for x in ls), abs=1e-5)
-    both = logprobs_and_entropy_from_logits(logits, labels, temperature, chunk_size)
-    assert torch.equal(both[0], logp) and torch.equal(both[1], ent)
+    assert torch.equal(logprobs_from_logits(logits, labels, temperature, chunk_size), logp)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, None])
@@ -103,7 +99,7 @@ def test_gradients_match_float64_autograd(chunk_size):
     logits = (torch.randn(2, 7, 13, generator=gen) * 2).requires_grad_()
     labels = torch.randint(0, 13, (2, 7), generator=gen)
     w1, w2 = torch.randn(2, 7, generator=gen), torch.randn(2, 7, generator=gen)
-    logp, ent = logprobs_and_entropy_from_logits(logits, labels, 0.8, chunk_size)
+    logp, ent = logprobs_from_logits(logits, labels, 0.8, chunk_size, calculate_entropy=True)
     ((logp * w1).sum() + (ent * w2).sum()).backward()
 
     x = logits.detach().double().requires_grad_()
@@ -113,11 +109,11 @@ def test_gradients_match_float64_autograd(chunk_size):
     ((ref_logp * w1.double()).sum() + (ref_ent * w2.double()).sum()).backward()
     torch.testing.assert_close(logits.grad.double(), x.grad, atol=1e-5, rtol=1e-5)
 
-    # Each output alone: the other output's gradient is absent (None) in backward.
+    # Each output alone: the other output's gradient is zero (or, without entropy, absent).
     z1 = logits.detach().clone().requires_grad_()
     logprobs_from_logits(z1, labels).sum().backward()
     z2 = logits.detach().clone().requires_grad_()
-    entropy_from_logits(z2).sum().backward()
+    logprobs_from_logits(z2, labels, calculate_entropy=True)[1].sum().backward()
     y = logits.detach().double().requires_grad_()
     ly = torch.log_softmax(y, dim=-1)
     g_logp = torch.autograd.grad(ly.gather(-1, labels[..., None]).sum(), y, retain_graph=True)[0]
@@ -142,6 +138,6 @@ def test_bad_logits_inputs():
     with pytest.raises(ValueError, match="labels shape"):
         logprobs_from_logits(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
-        entropy_from_logits(torch.randn(2, 5), temperature=0.0)
+        logprobs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match="vocab"):
-        entropy_from_logits(torch.randn(5))
+        logprobs_from_logits(torch.randn(5), torch.zeros((), dtype=torch.long))

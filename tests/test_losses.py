@@ -10,7 +10,6 @@ from refppo.losses import (
     agg_loss_weight,
     LOSS_AGG_MODES,
     agg_loss,
-    compute_entropy_loss,
     compute_policy_loss,
     compute_ppo_penalty_loss,
     compute_value_loss,
@@ -208,20 +207,6 @@ def test_agg_loss_matches_plain_loops(b, mode):
     assert agg_loss(loss_mat, mask, mode).item() == pytest.approx(ref_agg(loss_mat.tolist(), mask.tolist(), mode), abs=1e-9)
 
 
-def test_entropy_loss_matches_formula():
-    gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(2, 3, 6, generator=gen)
-    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
-    ent = []
-    for row in logits.double().tolist():
-        er = []
-        for z in row:
-            p = [math.exp(x) / sum(math.exp(y) for y in z) for x in z]
-            er.append(-sum(pi * math.log(pi) for pi in p))
-        ent.append(er)
-    assert compute_entropy_loss(logits, mask).item() == pytest.approx(ref_agg(ent, mask.tolist(), "token-mean"), abs=1e-5)
-
-
 def test_loss_bad_input():
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
@@ -242,8 +227,6 @@ def test_loss_bad_input():
         compute_policy_loss(x, x, x, m, clip_ratio=1.2)
     with pytest.raises(ValueError, match="kl_coef"):
         compute_ppo_penalty_loss(x, x, x, m, kl_coef=-1.0)
-    with pytest.raises(ValueError, match="does not match response_mask"):
-        compute_entropy_loss(torch.zeros(2, 4, 5), m)
 
 
 @given(batches(), st.sampled_from(["ragged", "holes", "with_empty_rows"]), st.integers(1, 4))

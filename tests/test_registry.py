@@ -73,7 +73,8 @@ def test_new_advantage_estimator_runs_without_a_critic():
     assert not needs_critic("test_reinforce") and needs_critic("test_value_baseline") and needs_critic("gae")
     trainer = make_trainer(["algorithm.adv_estimator=test_reinforce"])  # rollout.n=1 is fine: no index
     assert trainer.critic is None
-    batch, scores, _, _ = trainer.make_experience(RECORDS[:16], {})
+    batch, _ = trainer.make_experience(RECORDS[:16], {})
+    scores = batch["token_level_scores"].sum(-1)  # the sequence scores
     assert torch.equal(batch["advantages"], scores[:, None] * batch["response_mask"])
     assert "values" not in batch
     assert all(torch.isfinite(torch.tensor(v)) for v in trainer.train_step().values())
@@ -82,7 +83,8 @@ def test_new_advantage_estimator_runs_without_a_critic():
 def test_new_estimator_declaring_values_gets_a_critic_and_its_inputs_by_name():
     trainer = make_trainer(["algorithm.adv_estimator=test_value_baseline", "algorithm.gamma=0.5"])
     assert trainer.critic is not None
-    batch, scores, _, _ = trainer.make_experience(RECORDS[:16], {})
+    batch, _ = trainer.make_experience(RECORDS[:16], {})
+    scores = batch["token_level_scores"].sum(-1)  # the sequence scores
     mask = batch["response_mask"]
     assert torch.allclose(batch["advantages"], (0.5 * scores[:, None] - batch["values"][:, :1]) * mask)
     with pytest.raises(ValueError, match="needs a critic"):
@@ -116,7 +118,7 @@ def test_new_policy_loss_trains_and_logs_only_its_own_metrics():
 
 def test_new_policy_loss_gradient_is_its_formula():
     trainer = make_trainer(["actor.policy_loss=test_vanilla_pg", "actor.grad_clip=1e9"])
-    batch, _, _, _ = trainer.make_experience(RECORDS[:16], {})
+    batch, _ = trainer.make_experience(RECORDS[:16], {})
     loss, _ = trainer._actor_loss(batch)
     (g,) = torch.autograd.grad(loss, [trainer.actor.lm_head.weight])
     mask = batch["response_mask"]
@@ -139,7 +141,7 @@ def test_new_kl_estimator_gets_a_straight_through_form_and_reaches_the_config():
     with pytest.raises(ValueError, match="trailing"):
         register_kl_estimator("bad+")
     trainer = make_trainer(["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=test_sq", "algorithm.kl_ctrl.kl_coef=0.1"])
-    batch, _, _, stats = trainer.make_experience(RECORDS[:16], {})
+    batch, stats = trainer.make_experience(RECORDS[:16], {})
     mask = batch["response_mask"]
     kl = (batch["old_log_probs"] - batch["ref_log_prob"]).square() * mask
     assert torch.allclose(batch["token_level_rewards"], batch["token_level_scores"] - 0.1 * kl)

@@ -289,6 +289,8 @@ def test_static_cache_decoding_equals_the_growing_cache(tok, arch):
             assert torch.equal(static[key], eager[key]) or key == "rollout_log_probs", key
         torch.testing.assert_close(static["rollout_log_probs"], eager["rollout_log_probs"], rtol=0, atol=1e-5)
     assert len(decoder._caches) == 1
+    with pytest.raises(ValueError, match="the decoder was built for another model"):
+        _rollout(tok, load_causal_lm(tiny_config(tok, arch)), decoder=decoder)
     # Under bf16 autocast (as on CUDA) keys leave the rotary embedding in float32, values in bf16.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         eager = _rollout(tok, actor, do_sample=False, generator=None)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from _trainers import make_trainer
+import refppo.trainer
 from refppo.runs import RunFolder
 from refppo.trainer import check_scores, fit
 
@@ -74,12 +75,12 @@ def test_modes_run(overrides):
 
 def test_critic_has_its_own_epochs_and_mini_batches():
     trainer = make_trainer(["actor.ppo_epochs=2", "critic.ppo_epochs=3", "critic.ppo_mini_batch_size=4"])
-    batch, _, _, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
     critic_minis, actor_minis = trainer.update(batch, {})
     assert len(critic_minis) == 3 * 16 // 4 and len(actor_minis) == 2 * 16 // 8
     assert all("critic/vf_loss" in m for m in critic_minis) and all("actor/pg_loss" in m for m in actor_minis)
     defaults = make_trainer(["actor.ppo_epochs=2"])  # unset: the actor's schedule
-    batch, _, _, _ = defaults.make_experience(defaults.sampler.next_batch(), {})
+    batch, _ = defaults.make_experience(defaults.sampler.next_batch(), {})
     assert [len(m) for m in defaults.update(batch, {})] == [4, 4]
 
 
@@ -88,11 +89,11 @@ def test_missing_eos_penalty_lowers_unfinished_responses_only():
     trainer = make_trainer(
         [f"reward_model.missing_eos_penalty={penalty}", "data.train_batch_size=64", "data.max_response_length=8"], reward_fn=lambda p, r, rec: torch.ones(len(r))
     )
-    batch, scores, _, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    scores = batch["token_level_scores"].sum(-1)  # the sequence scores
     truncated = batch["is_truncated"]
     assert 0 < int(truncated.sum()) < len(truncated)  # a random tiny model ends some responses, not all
     assert torch.equal(scores, 1.0 - penalty * truncated.float())
-    assert torch.equal(batch["token_level_scores"].sum(-1), scores)
 
 
 def test_kl_controller_moves_in_the_reward():
@@ -169,3 +170,27 @@ def test_reward_function_errors():
     with pytest.raises(ValueError, match="non-finite score"):
         make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), float("nan"))).train_step()
     assert check_scores([1, 2], 2, "x").dtype == torch.float32
+
+
+def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
+    """A critic that outputs NaN is caught when the step's batch is evaluated (one host sync), with
+    the key named and no model updated; inside the update loop the value checks are off."""
+    trainer = make_trainer(["trainer.critic_warmup=0"])
+    with torch.no_grad():
+        trainer.critic.score.bias.fill_(float("nan"))
+    before = [p.detach().clone() for p in trainer.actor_params]
+    with pytest.raises(ValueError, match="values contains NaN or inf"):
+        trainer.train_step()  # GAE's own input check
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor_params))
+    nan_log_probs = lambda model, batch, *args: torch.full_like(batch["rollout_log_probs"], float("nan"))
+    monkeypatch.setattr(refppo.trainer, "compute_log_probs", nan_log_probs)
+    with pytest.raises(ValueError, match="old_log_probs contains NaN or inf at a valid token"):
+        make_trainer(["trainer.critic_warmup=0"]).train_step()  # nothing else reads them before the update
+    monkeypatch.undo()
+
+    trainer = make_trainer(["actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2"])
+    batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    syncs = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self, _tolist=torch.Tensor.tolist: syncs.append(1) or _tolist(self))
+    trainer.update(batch, {})
+    assert syncs == [], f"{len(syncs)} value-check host syncs in the update loop (8 micro-batches)"

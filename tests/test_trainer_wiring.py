@@ -255,7 +255,8 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode):
     perturb_rollout_log_probs(trainer)
     trainer.train_step()  # actor and critic move; the reference must not
     records = trainer.sampler.next_batch()
-    batch, scores, _, stats = trainer.make_experience(records, {})
+    batch, stats = trainer.make_experience(records, {})
+    scores = batch["token_level_scores"].sum(-1)  # the sequence scores
     mask = batch["response_mask"].float()
     with torch.no_grad():
         actor_logp, _ = plain_forward(trainer.actor, batch)
@@ -315,10 +316,11 @@ def test_logged_means_match_their_formulas():
 def test_kl_in_the_reward_reaches_the_critic_target_and_the_advantages_only():
     trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.0"])
     trainer.train_step()
-    batch, *_ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    records = trainer.sampler.next_batch()
+    batch, _ = trainer.make_experience(records, {})
     with_beta = dict(batch)
     trainer.kl_ctrl.value = 0.7
-    trainer.evaluate(with_beta, batch["token_level_scores"].sum(-1), {})
+    trainer.evaluate(with_beta, records, {})  # the same responses, scored again
     mask = batch["response_mask"].bool()
     for key in ("token_level_rewards", "advantages", "returns"):
         assert (with_beta[key] - batch[key])[mask].abs().max() > 1e-4, key
