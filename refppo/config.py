@@ -71,6 +71,7 @@ class ActorConfig:
     clip_ratio_high: float | None = None
     clip_ratio_c: float | None = 3.0  # dual-clip; null turns it off
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's divisor; None: data.max_response_length
     policy_loss: str = "clip"  # clip | penalty (PPO-penalty: a KL-to-old penalty instead of the clip)
     penalty_kl_coef: float = 0.1
     penalty_kl_type: str = "kl"
@@ -113,6 +114,7 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int | None = None
     cliprange_value: float | None = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None  # as actor.loss_scale_factor
     grad_clip: float = 1.0
 
 
@@ -350,6 +352,8 @@ def validate(config: Config) -> Config:
     _require(0 <= a.clip_ratio < 1, f"actor.clip_ratio must be in [0, 1), got {a.clip_ratio}")
     _require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
     _require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    for role, factor in (("actor", a.loss_scale_factor), ("critic", config.critic.loss_scale_factor)):
+        _require(factor is None or factor > 0, f"{role}.loss_scale_factor must be > 0 (or null), got {factor}")
     _require(not (r.cuda_graphs and t.device == "cpu"), "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu")
     _require(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     _require(a.rollout_is_threshold > 0, "actor.rollout_is_threshold must be > 0")

@@ -32,52 +32,66 @@ def _check_loss_inputs(response_mask: torch.Tensor, **tensors: torch.Tensor) -> 
     )
 
 
-def _agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+def _agg_loss(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float | None = None
+) -> torch.Tensor:
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    if loss_scale_factor is not None and not loss_scale_factor > 0:
+        raise ValueError(f"loss_scale_factor must be > 0 (or None), got {loss_scale_factor}")
     # Callers guarantee at least one valid token, so the divisions below are exact.
     if loss_agg_mode == "token-mean":
         return masked_sum(loss_mat, loss_mask) / loss_mask.sum()
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask)
-    seq_sums = masked_sum(loss_mat, loss_mask, axis=-1)
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        # Dr. GRPO: divide by a constant (the padded length), not by the number of tokens.
-        return seq_sums.sum() / loss_mask.shape[-1]
+    seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
     tokens = loss_mask.sum(dim=-1)
-    seq_losses = seq_sums if loss_agg_mode == "seq-mean-token-sum" else seq_sums / tokens.clamp(min=1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / tokens.clamp(min=1)
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        # Dr. GRPO: a constant divisor (the configured longest response), not the token count.
+        seq_losses = seq_losses / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     # Rows with no valid token do not count as sequences.
     has_tokens = (tokens > 0).to(seq_losses.dtype)
     return masked_sum(seq_losses, has_tokens) / has_tokens.sum()
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean") -> torch.Tensor:
-    """Aggregate a per-token loss into a scalar.
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss into a scalar (verl 0.9's ``agg_loss``).
 
     token-mean: sum over valid tokens / number of valid tokens.
     token-sum: sum over valid tokens.
     seq-mean-token-sum: mean over sequences of each sequence's token sum.
     seq-mean-token-mean: mean over sequences of each sequence's token mean.
-    seq-mean-token-sum-norm: sum over valid tokens / T (Dr. GRPO's constant normaliser).
-    Sequence means skip rows with no valid token.
+    seq-mean-token-sum-norm: mean over sequences of each sequence's token sum / loss_scale_factor
+    (Dr. GRPO's constant normaliser). Sequence means skip rows with no valid token.
 
     Args:
         loss_mat: (batch, T) per-token losses.
         loss_mask: (batch, T) 0/1 with at least one 1.
         loss_agg_mode: one of LOSS_AGG_MODES.
+        loss_scale_factor: seq-mean-token-sum-norm's divisor, > 0; None uses T. Keep it constant
+            over a run (the trainer passes ``data.max_response_length``): T changes from batch to
+            batch when generation stops early.
 
     Returns:
         Scalar tensor.
     """
     _check_loss_inputs(loss_mask, loss_mat=loss_mat)
-    return _agg_loss(loss_mat, loss_mask, loss_agg_mode)
+    return _agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor)
 
 
 def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
     """Weight of a micro-batch's aggregated loss in its mini-batch's, for gradient accumulation.
 
     With w = agg_loss_weight(micro_mask, mini_mask, mode), the sum over the micro-batches of
-    w * agg_loss(micro) equals agg_loss(mini) exactly: token-mean weighs by the share of
-    valid tokens, sequence means by the share of non-empty rows, sums by 1.
+    w * agg_loss(micro) equals agg_loss(mini) exactly (with the same ``loss_scale_factor``):
+    token-mean weighs by the share of valid tokens, sequence means by the share of non-empty
+    rows, token-sum by 1.
 
     Args:
         micro_mask: (micro, T) 0/1, rows of the mini-batch.
@@ -88,7 +102,7 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     """
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     dtype = torch.promote_types(micro_mask.dtype, torch.float32)
-    if loss_agg_mode in ("token-sum", "seq-mean-token-sum-norm"):
+    if loss_agg_mode == "token-sum":
         return torch.ones((), dtype=dtype, device=micro_mask.device)
     if loss_agg_mode == "token-mean":
         return micro_mask.sum().to(dtype) / mini_mask.sum()
@@ -106,6 +120,7 @@ def compute_policy_loss(
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate loss with asymmetric and dual clipping (verl's vanilla policy loss).
 
@@ -126,6 +141,7 @@ def compute_policy_loss(
         loss_agg_mode: see agg_loss.
         rollout_is_weights: optional (batch, T) per-token importance weights (rollout
             correction), multiplied into the per-token loss; no gradient.
+        loss_scale_factor: see agg_loss.
 
     Returns:
         pg_loss: scalar.
@@ -164,7 +180,7 @@ def compute_policy_loss(
 
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()
-    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
     return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()
 
 
@@ -176,6 +192,7 @@ def compute_ppo_penalty_loss(
     kl_coef: float,
     kl_penalty: str = "kl",
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-penalty loss: -ratio * A + beta * KL(pi_old || pi_theta), per token (ch 2).
 
@@ -189,7 +206,7 @@ def compute_ppo_penalty_loss(
         response_mask: (batch, T) 0/1.
         kl_coef: beta >= 0.
         kl_penalty: KL estimator name (see refppo.kl).
-        loss_agg_mode: see agg_loss.
+        loss_agg_mode, loss_scale_factor: see agg_loss.
 
     Returns:
         loss: scalar.
@@ -200,7 +217,7 @@ def compute_ppo_penalty_loss(
     _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     kl = kl_penalty_fn(old_log_prob.detach(), log_prob, kl_penalty)
-    loss = _agg_loss(-advantages * ratio + kl_coef * kl, response_mask, loss_agg_mode)
+    loss = _agg_loss(-advantages * ratio + kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, masked_mean(kl, response_mask).detach()
 
 
@@ -224,11 +241,12 @@ def clip_policy_loss(
     clip_ratio_c: float | None,
     loss_agg_mode: str,
     rollout_is_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`compute_policy_loss` (all tensors (batch, T)) with its statistics named as verl logs them."""
     loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
         old_log_prob, log_prob, advantages, response_mask, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-        loss_agg_mode, rollout_is_weights,
+        loss_agg_mode, rollout_is_weights, loss_scale_factor,
     )  # fmt: skip
     return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
 
@@ -242,11 +260,13 @@ def penalty_policy_loss(
     penalty_kl_coef: float,
     penalty_kl_type: str,
     loss_agg_mode: str,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`compute_ppo_penalty_loss` (all tensors (batch, T)); its KL estimate logged as actor/ppo_kl."""
     loss, kl = compute_ppo_penalty_loss(
-        old_log_prob, log_prob, advantages, response_mask, penalty_kl_coef, penalty_kl_type, loss_agg_mode
-    )
+        old_log_prob, log_prob, advantages, response_mask, penalty_kl_coef, penalty_kl_type, loss_agg_mode,
+        loss_scale_factor,
+    )  # fmt: skip
     return loss, {"actor/ppo_kl": kl}
 
 
@@ -257,6 +277,7 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float | None,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)).
 
@@ -266,7 +287,7 @@ def compute_value_loss(
         values: (batch, T) old values recorded at rollout time.
         response_mask: (batch, T) 0/1.
         cliprange_value: c, > 0; None turns clipping off.
-        loss_agg_mode: see agg_loss.
+        loss_agg_mode, loss_scale_factor: see agg_loss.
 
     Returns:
         vf_loss: scalar.
@@ -283,5 +304,5 @@ def compute_value_loss(
         vf_losses2 = (vpredclipped - returns) ** 2
         clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
         vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
-    vf_loss = 0.5 * _agg_loss(clipped_vf_losses, response_mask, loss_agg_mode)
+    vf_loss = 0.5 * _agg_loss(clipped_vf_losses, response_mask, loss_agg_mode, loss_scale_factor)
     return vf_loss, vf_clipfrac.detach()

@@ -276,25 +276,32 @@ class PPOTrainer:
         a, temp = self.config.actor, self.config.rollout.temperature
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.actor, mb, temp, calculate_entropy=True)
+        scale = self._loss_scale_factor(a.loss_scale_factor)
         pg_loss, pg_metrics = POLICY_LOSSES.call(
             a.policy_loss, old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
-            response_mask=mask, rollout_is_weights=mb.get("rollout_is_weights"), **vars(a),
+            response_mask=mask, rollout_is_weights=mb.get("rollout_is_weights"), **(vars(a) | {"loss_scale_factor": scale}),
         )  # fmt: skip
-        entropy_mean = agg_loss(entropy, mask, a.loss_agg_mode)
+        entropy_mean = agg_loss(entropy, mask, a.loss_agg_mode, scale)
         loss = pg_loss - a.entropy_coeff * entropy_mean
         stats = {"actor/pg_loss": pg_loss.detach(), **pg_metrics, "actor/entropy": entropy_mean.detach()}
         if a.use_kl_loss:
-            kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode)
+            kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, scale)
             loss = loss + a.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = kl_loss.detach()
         return loss, stats
+
+    def _loss_scale_factor(self, configured: float | None) -> float:
+        """seq-mean-token-sum-norm's constant divisor: as configured, else the longest response
+        allowed (never the batch's width, which changes when generation stops early)."""
+        return self.config.data.max_response_length if configured is None else configured
 
     def _critic_loss(self, mb):
         cc = self.config.critic
         vpreds = response_values(self.critic, mb)
         vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds, mb["returns"], mb["values"], mb["response_mask"], cc.cliprange_value, cc.loss_agg_mode
-        )
+            vpreds, mb["returns"], mb["values"], mb["response_mask"], cc.cliprange_value, cc.loss_agg_mode,
+            self._loss_scale_factor(cc.loss_scale_factor),
+        )  # fmt: skip
         return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac}
 
     # ---- one step ----------------------------------------------------------------------

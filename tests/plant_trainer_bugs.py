@@ -35,6 +35,7 @@ BUGS = [
     ("entropy bonus with the wrong sign", "loss = pg_loss - a.entropy_coeff * entropy_mean", "loss = pg_loss + a.entropy_coeff * entropy_mean"),
     ("KL loss on the old log-probs (no gradient)", 'kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)', 'kl_penalty(mb["old_log_probs"], mb["ref_log_prob"], a.kl_loss_type)'),
     ("value loss: returns and old values swapped", 'vpreds, mb["returns"], mb["values"], mb["response_mask"]', 'vpreds, mb["values"], mb["returns"], mb["response_mask"]'),
+    ("seq-mean-token-sum-norm over the batch width", "return self.config.data.max_response_length if configured is None else configured", "return configured"),
     ("critic uses the actor's epochs", "c.critic.grad_clip, critic_epochs(c),", "c.critic.grad_clip, c.actor.ppo_epochs,"),
     ("explained variance over the values", '(masked_var(batch["returns"], mask) + 1e-5)', '(masked_var(batch["values"], mask) + 1e-5)'),
     ("losses.py", "clip adapter: bounds swapped", "clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,", "clip_ratio, clip_ratio_high, clip_ratio_low, clip_ratio_c,"),

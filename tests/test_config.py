@@ -63,6 +63,7 @@ def test_bad_values():
         (["reward_model.missing_eos_penalty=-1"], "reward_model.missing_eos_penalty must be >= 0, got -1.0"),
         (["sft.teacher_carry_error=1.5"], r"sft.teacher_carry_error must be in \[0, 1\]"),
         (["rollout.cuda_graphs=true", "trainer.device=cpu"], "rollout.cuda_graphs=true needs a CUDA device"),
+        (["critic.loss_scale_factor=0"], "critic.loss_scale_factor must be > 0"),
     ],
 )
 def test_validation_errors(overrides, message):

@@ -16,17 +16,20 @@ from refppo.losses import (
 )
 
 
-def ref_agg(loss, mask, mode):
-    """Plain float64 aggregation over lists of lists."""
+def ref_agg(loss, mask, mode, scale=None):
+    """Plain float64 aggregation over lists of lists (verl 0.9's rules)."""
     rows = [[l for l, m in zip(lr, mr) if m == 1] for lr, mr in zip(loss, mask)]
     tokens = [x for r in rows for x in r]
     if mode == "token-mean":
         return sum(tokens) / len(tokens)
     if mode == "token-sum":
         return sum(tokens)
-    if mode == "seq-mean-token-sum-norm":
-        return sum(tokens) / len(loss[0])
-    seqs = [sum(r) if mode == "seq-mean-token-sum" else sum(r) / len(r) for r in rows if r]
+    per_seq = {
+        "seq-mean-token-sum": lambda r: sum(r),
+        "seq-mean-token-mean": lambda r: sum(r) / len(r),
+        "seq-mean-token-sum-norm": lambda r: sum(r) / (len(loss[0]) if scale is None else scale),
+    }[mode]
+    seqs = [per_seq(r) for r in rows if r]
     return sum(seqs) / len(seqs)
 
 
@@ -205,6 +208,21 @@ def test_agg_loss_matches_plain_loops(b, mode):
     loss_mat = torch.randn(batch, length, generator=gen, dtype=torch.float64)
     loss_mat[mask == 0] = float("nan")  # padding must not leak
     assert agg_loss(loss_mat, mask, mode).item() == pytest.approx(ref_agg(loss_mat.tolist(), mask.tolist(), mode), abs=1e-9)
+
+
+def test_seq_mean_token_sum_norm_is_a_mean_of_sequences_over_a_constant():
+    """Dr. GRPO / verl 0.9: each sequence's token sum over a constant, averaged over sequences;
+    the constant does not follow the batch's width, so a short batch is not scaled up."""
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", 8).item() == pytest.approx((6 / 8 + 4 / 8) / 2)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((6 / 3 + 4 / 3) / 2)
+    # The same responses in a batch cut to width 2 (generation stopped early): same loss with a constant.
+    short = agg_loss(loss[:1, :2], mask[:1, :2], "seq-mean-token-sum-norm", 8)
+    assert short.item() == pytest.approx(3 / 8)
+    x, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="loss_scale_factor must be > 0"):
+        compute_policy_loss(x, x, x, m, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
 def test_loss_bad_input():

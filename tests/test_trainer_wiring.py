@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from _trainers import first_char_is_seven, make_trainer
+from _trainers import TOK, first_char_is_seven, make_trainer
 
 BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.grad_clip=1e9", "critic.grad_clip=1e9"]
 
@@ -49,8 +49,8 @@ def plain_values(critic, batch):
     return torch.stack(rows)
 
 
-def plain_agg(x, mask, mode):
-    """Every loss_agg_mode, written out."""
+def plain_agg(x, mask, mode, scale=None):
+    """Every loss_agg_mode, written out; ``scale`` is seq-mean-token-sum-norm's constant."""
     if mode == "token-mean":
         return (x * mask).sum() / mask.sum()
     if mode == "token-sum":
@@ -60,7 +60,7 @@ def plain_agg(x, mask, mode):
     if mode == "seq-mean-token-mean":
         return ((x * mask).sum(-1) / mask.sum(-1)).mean()
     assert mode == "seq-mean-token-sum-norm"
-    return (x * mask).sum() / mask.shape[-1]
+    return ((x * mask).sum(-1) / scale).mean()
 
 
 def plain_gae(rewards, values, mask, gamma, lam):
@@ -142,11 +142,12 @@ def expected_actor_loss(trainer, batch):
             pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
         if a.policy_mode == "rollout_correction":
             pg = pg * torch.exp(old - batch["rollout_log_probs"]).clamp(max=a.rollout_is_threshold)
-    loss = plain_agg(pg, mask, a.loss_agg_mode) - a.entropy_coeff * plain_agg(entropy, mask, a.loss_agg_mode)
+    scale = trainer.config.data.max_response_length
+    loss = plain_agg(pg, mask, a.loss_agg_mode, scale) - a.entropy_coeff * plain_agg(entropy, mask, a.loss_agg_mode, scale)
     if a.use_kl_loss:
         assert a.kl_loss_type in ("k2", "mse")
         k2 = 0.5 * (logp - batch["ref_log_prob"]) ** 2
-        loss = loss + a.kl_loss_coef * plain_agg(k2, mask, a.loss_agg_mode)
+        loss = loss + a.kl_loss_coef * plain_agg(k2, mask, a.loss_agg_mode, scale)
     return loss
 
 
@@ -155,12 +156,16 @@ def expected_critic_loss(trainer, batch):
     mask = batch["response_mask"].float()
     v, old_v, ret = plain_values(trainer.critic, batch), batch["values"], batch["returns"]
     clipped = old_v + (v - old_v).clamp(-c.cliprange_value, c.cliprange_value)
-    return 0.5 * plain_agg(torch.maximum((v - ret) ** 2, (clipped - ret) ** 2), mask, c.loss_agg_mode)
+    scale = trainer.config.data.max_response_length
+    return 0.5 * plain_agg(torch.maximum((v - ret) ** 2, (clipped - ret) ** 2), mask, c.loss_agg_mode, scale)
 
 
-def check_every_update(overrides, steps=2):
-    """Run ``steps`` steps; at every optimiser step compare the trainer's gradient with the plain one."""
+def check_every_update(overrides, steps=2, prepare=None):
+    """Run ``steps`` steps; at every optimiser step compare the trainer's gradient with the plain one
+    (``prepare(trainer)`` first, if given)."""
     trainer = make_trainer([*BATCH, *overrides])
+    if prepare is not None:
+        prepare(trainer)
     if trainer.config.actor.policy_mode != "decoupled":
         perturb_rollout_log_probs(trainer)
     batches, checks = capture(trainer)
@@ -184,6 +189,7 @@ def check_every_update(overrides, steps=2):
     assert seen["actor_opt"] == steps * epochs
     assert seen["critic_opt"] == (steps * epochs if trainer.use_critic else 0)
     assert nonzero["actor_opt"] > 0 and (nonzero["critic_opt"] > 0 or not trainer.use_critic), "a vacuous check"
+    trainer.evaluated_batches = batches
     return trainer
 
 
@@ -194,6 +200,22 @@ def test_every_update_has_the_plain_gradient_for_every_aggregation(mode, micro):
         [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "actor.ppo_epochs=2",
          *([f"actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}"] if micro else [])]
     )  # fmt: skip
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_configured_length_not_the_batch_width():
+    """Responses that all end early make the batch narrower than data.max_response_length; verl
+    0.9 still divides by the constant, so the step's gradient does not grow."""
+
+    def early_eos(trainer):
+        with torch.no_grad():
+            trainer.actor.lm_head.weight[TOK.eos_token_id] += 5.0  # ends most responses after 2-5 tokens
+
+    trainer = check_every_update(
+        ["actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=seq-mean-token-sum-norm",
+         "data.max_response_length=8", "actor.ppo_micro_batch_size_per_gpu=2"], prepare=early_eos,
+    )  # fmt: skip
+    widths = [b["responses"].shape[1] for b in trainer.evaluated_batches]
+    assert min(widths) < 8, f"widths {widths}: no batch narrower than the limit, the check would be vacuous"
 
 
 @pytest.mark.parametrize(
