@@ -6,8 +6,8 @@ adapters it calls), one at a time, and count how many the tests catch.
 Each bug is planted in a copy of the package in a temporary folder (put first on PYTHONPATH), so
 the working tree is never touched, even if the run is killed. Not collected by pytest (its name
 does not start with test_). Recorded on a 2-core CPU, 2026-11-23 (15-42 s a bug): the trainer,
-wiring and registry tests catch 19 of 19 (18 of 18 on 2026-11-22, before the batch check was
-planted too). Before test_trainer_wiring.py, test_trainer.py alone
+wiring and registry tests catch 20 of 20 (18 of 18 on 2026-11-22, before the batch check and
+the seq-mean-token-sum-norm divisor were planted too). Before test_trainer_wiring.py, test_trainer.py alone
 caught 3 of the 14 trainer.py bugs that were planted then.
 """
 
@@ -39,7 +39,7 @@ BUGS = [
     ("critic uses the actor's epochs", "c.critic.grad_clip, critic_epochs(c),", "c.critic.grad_clip, c.actor.ppo_epochs,"),
     ("explained variance over the values", '(masked_var(batch["returns"], mask) + 1e-5)', '(masked_var(batch["values"], mask) + 1e-5)'),
     ("losses.py", "clip adapter: bounds swapped", "clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,", "clip_ratio, clip_ratio_high, clip_ratio_low, clip_ratio_c,"),
-    ("losses.py", "penalty adapter: KL type for the coefficient", "penalty_kl_coef, penalty_kl_type, loss_agg_mode\n", "0.1, penalty_kl_type, loss_agg_mode\n"),
+    ("losses.py", "penalty adapter: KL type for the coefficient", "penalty_kl_coef, penalty_kl_type, loss_agg_mode,\n", "0.1, penalty_kl_type, loss_agg_mode,\n"),
     ("advantages.py", "needs_critic reads the wrong input", 'return ADV_ESTIMATORS.takes(adv_estimator, "values")', 'return ADV_ESTIMATORS.takes(adv_estimator, "response_mask")'),
 ]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
