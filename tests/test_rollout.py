@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _trainers import make_trainer
 
 from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.rollout import (
@@ -300,8 +301,6 @@ def test_static_cache_decoding_equals_the_growing_cache(tok, arch):
 
 
 def test_cuda_graphs_refused_off_cuda(tok):
-    from tests._trainers import make_trainer
-
     with pytest.raises(ValueError, match="rollout.cuda_graphs=true needs the actor on a CUDA device"):
         make_trainer(["rollout.cuda_graphs=true"])
 
