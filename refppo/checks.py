@@ -65,6 +65,7 @@ def check_values(
     finite: dict[str, torch.Tensor] | None = None,
     min_valid: tuple[str, torch.Tensor, int] | None = None,
     where: torch.Tensor | None = None,
+    nonnegative: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Run all value checks of one call with a single host sync (none inside ``value_checks(False)``).
 
@@ -72,8 +73,9 @@ def check_values(
         masks: name -> mask tensor that must hold only 0 and 1.
         finite: name -> tensor that must be finite (NaN and inf are refused).
         min_valid: (name, mask, k): the mask must have at least k ones in total.
-        where: if given, a 0/1 mask: ``finite`` is only required where it is 1 (padding may
-            hold anything, since masked reductions never read it).
+        where: if given, a 0/1 mask: ``finite`` and ``nonnegative`` are only required where
+            it is 1 (padding may hold anything, since masked reductions never read it).
+        nonnegative: name -> tensor that must be >= 0 (e.g. importance weights).
     """
     if not _VALUE_CHECKS.get():
         return
@@ -89,6 +91,12 @@ def check_values(
                 bad = bad & where.bool()
             labels.append(f"{name} contains NaN or inf" + (" at a valid token" if where is not None else ""))
             flags.append(bad.any())
+    for name, t in (nonnegative or {}).items():
+        bad = t < 0
+        if where is not None:
+            bad = bad & where.bool()
+        labels.append(f"{name} has a negative entry" + (" at a valid token" if where is not None else ""))
+        flags.append(bad.any())
     if min_valid is not None:
         name, m, k = min_valid
         labels.append(f"{name} has fewer than {k} valid (mask 1) token(s)")

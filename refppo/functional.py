@@ -83,9 +83,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         mask: (*shape) tensor of 0/1 with at least 2 ones.
         shift_mean: subtract the mean (True) or keep it (False).
 
+    Raises:
+        ValueError: mismatched shapes, a mask that is not 0/1, NaN or inf at a valid position,
+            fewer than 2 valid positions.
+
     Returns:
         (*shape) tensor.
     """
+    check_same_shape(values=values, mask=mask)
+    check_values(masks={"mask": mask}, finite={"values": values}, where=mask)
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:

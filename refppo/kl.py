@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from refppo.checks import check_choice, check_same_shape
+from refppo.checks import check_choice, check_same_shape, check_values
 from refppo.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator")
@@ -77,9 +77,14 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
 
     Returns:
         (batch, T) per-token estimates (not masked).
+
+    Raises:
+        ValueError: an unknown name (never a fall-through to another estimator), mismatched
+            shapes, NaN or inf in either input.
     """
     check_choice("kl_penalty", kl_penalty, kl_penalty_types())
     check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
+    check_values(finite={"logprob": logprob, "ref_logprob": ref_logprob})
     value = KL_ESTIMATORS.get(kl_penalty.removesuffix("+"))(logprob, ref_logprob)
     if not kl_penalty.endswith("+"):
         return value

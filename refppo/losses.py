@@ -24,11 +24,13 @@ LOSS_AGG_MODES = (
 
 def _check_loss_inputs(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
     check_same_shape(response_mask=response_mask, **tensors)
+    weights = {k: tensors[k] for k in ("rollout_is_weights",) if k in tensors}
     check_values(
         masks={"response_mask": response_mask},
         finite=tensors,
         min_valid=("response_mask", response_mask, 1),
         where=response_mask,
+        nonnegative=weights,  # a negative weight would flip the sign of its token's loss
     )
 
 
@@ -139,7 +141,7 @@ def compute_policy_loss(
         clip_ratio_high: epsilon above 1 (defaults to clip_ratio; DAPO's clip-higher).
         clip_ratio_c: dual-clip constant, > 1; None turns dual-clip off.
         loss_agg_mode: see agg_loss.
-        rollout_is_weights: optional (batch, T) per-token importance weights (rollout
+        rollout_is_weights: optional (batch, T) per-token importance weights >= 0 (rollout
             correction), multiplied into the per-token loss; no gradient.
         loss_scale_factor: see agg_loss.
 

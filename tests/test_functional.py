@@ -60,6 +60,23 @@ def test_nan_in_padding_does_not_leak():
     assert masked_var(values, mask).item() == pytest.approx(0.5)
 
 
+def test_whiten_refuses_bad_masks_and_values():
+    values = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    for bad in (0.5, -1.0, 2.0):
+        mask = torch.ones(2, 3)
+        mask[0, 1] = bad
+        with pytest.raises(ValueError, match="mask must contain only 0 and 1"):
+            masked_whiten(values, mask)
+    with_nan = values.clone()
+    with_nan[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="values contains NaN or inf at a valid token"):
+        masked_whiten(with_nan, torch.ones(2, 3))
+    padding = torch.tensor([[1.0, 1, 1], [1, 1, 0]])  # NaN in padding is fine, and stays out
+    assert torch.isfinite(masked_whiten(with_nan, padding)[padding.bool()]).all()
+    with pytest.raises(ValueError, match="shape mismatch"):
+        masked_whiten(values, torch.ones(2, 4))
+
+
 def test_whiten_needs_two_valid_tokens():
     with pytest.raises(ValueError, match="fewer than 2 valid"):
         masked_whiten(torch.randn(2, 3), torch.tensor([[0, 0, 1.0], [0, 0, 0]]))

@@ -139,3 +139,15 @@ def test_k3_clamp_at_ten_biases_rare_large_ratios():
     # A token with pi_ref / pi = e^3: k3 = e^3 - 1 - 3 = 16.1, clamped to 10 as in verl.
     out = kl_penalty(torch.tensor([-5.0]), torch.tensor([-2.0]), "k3")
     assert out.item() == 10.0
+
+
+def test_non_finite_log_probs_are_refused_by_every_estimator():
+    good = torch.zeros(2, 3)
+    for bad in (float("nan"), float("-inf"), float("inf")):
+        x = good.clone()
+        x[1, 2] = bad
+        for name in ("kl", "k3", "k2+"):
+            with pytest.raises(ValueError, match="logprob contains NaN or inf"):
+                kl_penalty(x, good, name)
+            with pytest.raises(ValueError, match="ref_logprob contains NaN or inf"):
+                kl_penalty(good, x, name)

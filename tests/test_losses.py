@@ -225,6 +225,17 @@ def test_seq_mean_token_sum_norm_is_a_mean_of_sequences_over_a_constant():
         compute_policy_loss(x, x, x, m, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
+def test_negative_importance_weights_are_refused():
+    """A negative weight would flip its token's loss: an error, at valid tokens only."""
+    x, m = torch.zeros(2, 3), torch.tensor([[1.0, 1, 0], [1, 1, 1]])
+    weights = torch.ones(2, 3)
+    weights[0, 2] = -1.0  # padding: ignored
+    compute_policy_loss(x, x, x, m, rollout_is_weights=weights)
+    weights[1, 0] = -0.5
+    with pytest.raises(ValueError, match="rollout_is_weights has a negative entry at a valid token"):
+        compute_policy_loss(x, x, x, m, rollout_is_weights=weights)
+
+
 def test_loss_bad_input():
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
