@@ -84,19 +84,17 @@ def check_values(
     for name, m in (masks or {}).items():
         labels.append(f"{name} must contain only 0 and 1")
         flags.append(((m != 0) & (m != 1)).any())
+    suffix = "" if where is None else " at a valid token"
+
+    def flag_at_valid(label: str, bad: torch.Tensor) -> None:
+        labels.append(label + suffix)
+        flags.append((bad if where is None else bad & where.bool()).any())
+
     for name, t in (finite or {}).items():
         if t.is_floating_point():
-            bad = ~torch.isfinite(t)
-            if where is not None:
-                bad = bad & where.bool()
-            labels.append(f"{name} contains NaN or inf" + (" at a valid token" if where is not None else ""))
-            flags.append(bad.any())
+            flag_at_valid(f"{name} contains NaN or inf", ~torch.isfinite(t))
     for name, t in (nonnegative or {}).items():
-        bad = t < 0
-        if where is not None:
-            bad = bad & where.bool()
-        labels.append(f"{name} has a negative entry" + (" at a valid token" if where is not None else ""))
-        flags.append(bad.any())
+        flag_at_valid(f"{name} has a negative entry", t < 0)
     if min_valid is not None:
         name, m, k = min_valid
         labels.append(f"{name} has fewer than {k} valid (mask 1) token(s)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_choice, check_same_shape, check_values
+from refppo.checks import check_choice, check_same_shape, check_values, value_checks
 from refppo.functional import masked_mean, masked_sum
 from refppo.kl import kl_penalty as kl_penalty_fn
 from refppo.registry import Registry
@@ -218,7 +218,8 @@ def compute_ppo_penalty_loss(
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
-    kl = kl_penalty_fn(old_log_prob.detach(), log_prob, kl_penalty)
+    with value_checks(False):  # checked above, at valid tokens: padding may hold anything
+        kl = kl_penalty_fn(old_log_prob.detach(), log_prob, kl_penalty)
     loss = _agg_loss(-advantages * ratio + kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, masked_mean(kl, response_mask).detach()
 

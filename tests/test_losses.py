@@ -225,6 +225,15 @@ def test_seq_mean_token_sum_norm_is_a_mean_of_sequences_over_a_constant():
         compute_policy_loss(x, x, x, m, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
+def test_both_policy_losses_ignore_nan_in_padding():
+    """Padding may hold anything: the clip and the penalty loss check valid tokens only."""
+    x, m = torch.zeros(2, 3), torch.tensor([[1.0, 1, 0], [1, 1, 1]])
+    old = x.clone()
+    old[0, 2] = float("nan")
+    assert torch.isfinite(compute_policy_loss(old, x, x, m)[0])
+    assert all(torch.isfinite(t) for t in compute_ppo_penalty_loss(old, x, x, m, kl_coef=0.1))
+
+
 def test_negative_importance_weights_are_refused():
     """A negative weight would flip its token's loss: an error, at valid tokens only."""
     x, m = torch.zeros(2, 3), torch.tensor([[1.0, 1, 0], [1, 1, 1]])
