@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -324,8 +323,7 @@ def generate(
         hit_eos |= is_valid & torch.isin(token, eos_ids)
         if not ignore_eos:
             done = hit_eos
-        last = step == max_new_tokens - 1
-        if last or (not ignore_eos and (step + 1) % check_every == 0 and bool(done.all())):
+        if step == max_new_tokens - 1 or (not ignore_eos and (step + 1) % check_every == 0 and bool(done.all())):
             break
         # Finished rows keep decoding pad; their outputs are discarded.
         with autocast(device):

@@ -416,8 +416,9 @@ class PPOTrainer:
 
     @torch.no_grad()
     def held_out_metrics(self) -> dict[str, float]:
-        """Validation (verl's ``_validate``): held-out prompts, one greedy response each (``val/score``, ``val/<extra>``) and one
-        sampled at the rollout temperature (``val/score_sampled``, what training optimises)."""
+        """Validation (verl's ``_validate``): held-out prompts, one greedy response each
+        (``val/score``, ``val/<extra>``) and one sampled at the rollout temperature
+        (``val/score_sampled``, what training optimises)."""
         out = {}
         for suffix, do_sample in (("", False), ("_sampled", True)):
             batch = self.generate(self.val_records, n=1, do_sample=do_sample)
