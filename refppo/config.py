@@ -194,6 +194,81 @@ class Config:
     rm: RMConfig = field(default_factory=RMConfig)
 
 
+# The valid range of every numeric setting, in interval notation ("inf)" excludes infinity;
+# NaN is in no range). A null Optional setting means "derive it" and is not checked here.
+_POSITIVE, _COUNT, _NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
+_OPTIM = {"lr": _NONNEG, "weight_decay": _NONNEG, "betas": "[0, 1)", "lr_warmup_steps": _NONNEG}
+RANGES = {
+    **{f"data.{k}": _COUNT for k in ("train_batch_size", "val_size", "max_prompt_length", "max_response_length")},
+    **{f"model.{k}": _COUNT for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
+    "model.lora_rank": _NONNEG,
+    "model.lora_alpha": _POSITIVE,
+    **{f"{role}.optim.{k}": v for role in ("actor", "critic") for k, v in _OPTIM.items()},
+    "actor.ppo_mini_batch_size": _COUNT,
+    "actor.ppo_micro_batch_size_per_gpu": _COUNT,
+    "actor.ppo_epochs": _COUNT,
+    "actor.clip_ratio": "[0, 1)",
+    "actor.clip_ratio_low": "[0, 1)",
+    "actor.clip_ratio_high": _NONNEG,
+    "actor.clip_ratio_c": "(1, inf)",
+    "actor.loss_scale_factor": _POSITIVE,
+    "actor.penalty_kl_coef": _NONNEG,
+    "actor.rollout_is_threshold": "(0, inf]",
+    "actor.kl_loss_coef": _NONNEG,
+    "actor.entropy_coeff": "(-inf, inf)",
+    "actor.grad_clip": "(0, inf]",
+    "rollout.temperature": _POSITIVE,
+    "rollout.top_k": "-1 or [1, inf)",
+    "rollout.top_p": "(0, 1]",
+    "rollout.n": _COUNT,
+    "rollout.log_prob_micro_batch_size_per_gpu": _COUNT,
+    "ref.log_prob_micro_batch_size_per_gpu": _COUNT,
+    "critic.ppo_epochs": _COUNT,
+    "critic.ppo_mini_batch_size": _COUNT,
+    "critic.ppo_micro_batch_size_per_gpu": _COUNT,
+    "critic.cliprange_value": _POSITIVE,
+    "critic.loss_scale_factor": _POSITIVE,
+    "critic.grad_clip": "(0, inf]",
+    "reward_model.micro_batch_size_per_gpu": _COUNT,
+    "reward_model.missing_eos_penalty": _NONNEG,
+    "algorithm.gamma": "[0, 1]",
+    "algorithm.lam": "[0, 1]",
+    "algorithm.kl_ctrl.kl_coef": _NONNEG,
+    "algorithm.kl_ctrl.target_kl": _POSITIVE,
+    "algorithm.kl_ctrl.horizon": _POSITIVE,
+    "trainer.total_training_steps": _COUNT,
+    "trainer.seed": _NONNEG,
+    "trainer.save_freq": "-1 or [1, inf)",
+    "trainer.test_freq": "-1 or [1, inf)",
+    "trainer.critic_warmup": _NONNEG,
+    "sft.steps": _COUNT,
+    "sft.batch_size": _COUNT,
+    "sft.lr": _POSITIVE,
+    "sft.n_examples": _COUNT,
+    "sft.teacher_carry_error": "[0, 1]",
+    "rm.steps": _COUNT,
+    "rm.batch_size": _COUNT,
+    "rm.lr": _POSITIVE,
+    "rm.n_pairs": _COUNT,
+}
+
+
+def in_range(value: float, spec: str) -> bool:
+    """Whether ``value`` lies in ``spec``: intervals such as "[0, 1)" or "(0, inf]" and single
+    numbers, joined by " or ". NaN lies in none."""
+    for part in spec.split(" or "):
+        if part[0] not in "[(":
+            if value == float(part):
+                return True
+            continue
+        low, high = (float(x) for x in part[1:-1].split(","))
+        above = value >= low if part[0] == "[" else value > low
+        below = value <= high if part[-1] == "]" else value < high
+        if above and below:
+            return True
+    return False
+
+
 def _leaf_keys(obj, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(obj):
@@ -245,13 +320,33 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
             close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown config key {key!r}{hint}")
-        *parents, name = key.split(".")
-        owner = config
-        for p in parents:
-            owner = getattr(owner, p)
-        hint = typing.get_type_hints(type(owner))[name]
-        setattr(owner, name, _parse(text.strip(), hint, key))
+        owner, name = _owner(config, key)
+        setattr(owner, name, _parse(text.strip(), _hint(config, key), key))
     return config
+
+
+def _owner(config: Config, key: str):
+    """The dataclass holding a dotted key, and the field's name."""
+    *parents, name = key.split(".")
+    owner = config
+    for p in parents:
+        owner = getattr(owner, p)
+    return owner, name
+
+
+def _hint(config: Config, key: str):
+    owner, name = _owner(config, key)
+    return typing.get_type_hints(type(owner))[name]
+
+
+def _optional(config: Config, key: str) -> bool:
+    return type(None) in typing.get_args(_hint(config, key))
+
+
+def get_value(config: Config, key: str):
+    """The value of a dotted key, e.g. ``get_value(config, "actor.optim.lr")``."""
+    owner, name = _owner(config, key)
+    return getattr(owner, name)
 
 
 def config_to_dict(config: Config) -> dict:
@@ -318,18 +413,19 @@ def validate(config: Config) -> Config:
     for key, value, valid in choices:
         _require(value in valid, f"{key}={value!r} is not one of {', '.join(valid)}")
     ADV_ESTIMATORS.get(alg.adv_estimator)  # raises on an unknown estimator
-    for key, value in [
-        ("data.train_batch_size", d.train_batch_size),
-        ("data.max_prompt_length", d.max_prompt_length),
-        ("data.max_response_length", d.max_response_length),
-        ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-        ("actor.ppo_epochs", a.ppo_epochs),
-        ("critic.ppo_mini_batch_size", critic_mini_batch_size(config)),
-        ("critic.ppo_epochs", critic_epochs(config)),
-        ("rollout.n", r.n),
-        ("trainer.total_training_steps", t.total_training_steps),
-    ]:
-        _require(value >= 1, f"{key} must be >= 1, got {value}")
+    for key in _leaf_keys(config):
+        spec = RANGES.get(key)
+        value = get_value(config, key)
+        for item in value if isinstance(value, tuple) else (value,):
+            _require(
+                spec is None or item is None or in_range(item, spec),
+                f"{key}={item} is outside its valid range {spec}" + (" (or null)" if _optional(config, key) else ""),
+            )
+    _require(
+        t.critic_warmup < t.total_training_steps,
+        f"trainer.critic_warmup={t.critic_warmup} must be < trainer.total_training_steps={t.total_training_steps}: "
+        "the actor is updated only after the warm-up",
+    )
     for role, mini, micro in [
         ("actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
         ("critic", critic_mini_batch_size(config), config.critic.ppo_micro_batch_size_per_gpu),
@@ -344,19 +440,7 @@ def validate(config: Config) -> Config:
             f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the mini-batch of {rows} rows "
             f"({role}.ppo_mini_batch_size x rollout.n)",
         )
-    penalty = config.reward_model.missing_eos_penalty
-    _require(penalty >= 0, f"reward_model.missing_eos_penalty must be >= 0, got {penalty}")
-    carry_error = config.sft.teacher_carry_error
-    _require(0 <= carry_error <= 1, f"sft.teacher_carry_error must be in [0, 1], got {carry_error}")
-    _require(a.clip_ratio_c is None or a.clip_ratio_c > 1, f"actor.clip_ratio_c must be > 1 (or null), got {a.clip_ratio_c}")
-    _require(0 <= a.clip_ratio < 1, f"actor.clip_ratio must be in [0, 1), got {a.clip_ratio}")
-    _require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
-    _require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    for role, factor in (("actor", a.loss_scale_factor), ("critic", config.critic.loss_scale_factor)):
-        _require(factor is None or factor > 0, f"{role}.loss_scale_factor must be > 0 (or null), got {factor}")
     _require(not (r.cuda_graphs and t.device == "cpu"), "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu")
-    _require(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
-    _require(a.rollout_is_threshold > 0, "actor.rollout_is_threshold must be > 0")
     _require(
         a.policy_mode != "rollout_correction" or POLICY_LOSSES.takes(a.policy_loss, "rollout_is_weights"),
         f"actor.policy_mode=rollout_correction weights each token's loss, but actor.policy_loss={a.policy_loss} takes no weights",
@@ -371,5 +455,25 @@ def validate(config: Config) -> Config:
     )
     _require(
         not (d.task == "file" and d.train_files is None), "data.task=file needs data.train_files (JSONL or Parquet)"
+    )
+    # An option that another one makes meaningless is an error, never silently ignored.
+    for key, value in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        _require(
+            d.task == "file" or value is None,
+            f"{key} is read only with data.task=file (data.task={d.task} builds its own prompts): "
+            f"set data.task=file or drop {key}",
+        )
+    rm = config.reward_model
+    _require(
+        not (rm.enable and rm.reward_fn),
+        "reward_model.enable=true and reward_model.reward_fn both give the training score: drop one "
+        "(with the reward model, the task's own rule is reported as reward/gold, never trained on)",
+    )
+    _require(
+        rm.enable or rm.model.path is None, "reward_model.model.path is read only with reward_model.enable=true: set it or drop the path"
+    )
+    _require(
+        ADV_ESTIMATORS.takes(alg.adv_estimator, "values") or config.critic.model.path is None,
+        f"critic.model.path is set but algorithm.adv_estimator={alg.adv_estimator} uses no critic",
     )
     return config

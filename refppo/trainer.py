@@ -55,17 +55,33 @@ from refppo.rollout import (
     tokenize_prompts,
 )
 
+# Stats aggregated with loss_agg_mode, as the loss is: micro-batches combine like the loss.
+LOSS_STATS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss"})
+# Consecutive skipped updates (non-finite gradient) of one model after which the run stops.
+MAX_SKIPPED_UPDATES = 8
+
 RewardFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
 
 
 def check_scores(scores, rows: int, source: str) -> torch.Tensor:
     """A reward function's output as a (rows,) float32 tensor, or a ValueError naming ``source``."""
-    scores = torch.as_tensor(scores, dtype=torch.float32)
+    try:
+        scores = torch.as_tensor(scores, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"{source} returned a {type(scores).__name__}; expected {rows} numbers, one score per response "
+            "(a list, tuple or tensor of floats)"
+        ) from None
     if scores.shape != (rows,):
         raise ValueError(f"{source} returned shape {tuple(scores.shape)}; expected ({rows},), one score per response")
     if not bool(torch.isfinite(scores).all()):
         raise ValueError(f"{source} returned a non-finite score (NaN or inf)")
     return scores
+
+
+def describe(fn) -> str:
+    """A function's ``module:qualname``, as ``reward_model.reward_fn`` spells it."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 class PPOTrainer:
@@ -129,6 +145,7 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(c.trainer.seed + 1)  # mini-batch order
         self.step = 0
         self.last_update_stats: list[dict[str, float]] = []  # per actor mini-batch, for inspection
+        self.skipped_in_a_row: dict[str, int] = {}  # "actor" / "critic" -> updates skipped (non-finite grad)
 
     # ---- phase 1: generate -------------------------------------------------------------
     def generate(self, records: list[dict], n: int, do_sample: bool = True) -> dict[str, torch.Tensor]:
@@ -170,7 +187,7 @@ class PPOTrainer:
             scores = compute_scores(self.reward_model, batch, rm.micro_batch_size_per_gpu)
         else:
             texts = self._texts(batch)
-            scores = check_scores(self.reward_fn(*texts, rows), len(rows), "the reward function")
+            scores = check_scores(self.reward_fn(*texts, rows), len(rows), f"reward function {describe(self.reward_fn)}")
         if rm.missing_eos_penalty > 0:
             scores = apply_missing_eos_penalty(scores.to(self.device), batch["is_truncated"], rm.missing_eos_penalty)
         extras = {}
@@ -243,8 +260,11 @@ class PPOTrainer:
         per-mini-batch stats.
 
         ``micro_loss(mb) -> (loss, {name: detached scalar})``. Each micro-batch's loss is
-        weighted so the accumulated gradient is the mini-batch loss's gradient exactly; stats
-        are weighted by token share. A step whose gradient norm is not finite is skipped.
+        weighted so the accumulated gradient is the mini-batch loss's gradient exactly; the stats
+        in ``LOSS_STATS`` get the same weights (so they log the mini-batch's value in every
+        ``loss_agg_mode``), the others (token means) the micro-batch's share of valid tokens. An
+        update whose gradient norm is not finite is skipped; ``MAX_SKIPPED_UPDATES`` in a row
+        stop the run.
         """
         rows = batch["response_mask"].shape[0]
         mini_rows = mini_size * self.config.rollout.n
@@ -258,19 +278,29 @@ class PPOTrainer:
                     stats: dict[str, torch.Tensor] = {}
                     for mb in micro_batches(mini, micro_size):
                         loss, micro_stats = micro_loss(mb)
-                        (loss * agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)).backward()
+                        weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)
+                        (loss * weight).backward()
                         share = mb["response_mask"].sum() / mini["response_mask"].sum()
                         for k, v in micro_stats.items():
-                            stats[k] = stats.get(k, 0.0) + share * v
+                            stats[k] = stats.get(k, 0.0) + (weight if k in LOSS_STATS else share) * v
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
                     finite = bool(torch.isfinite(grad_norm))
                     if finite:
                         optimizer.step()
+                    self._count_skips(prefix, finite)
                     optimizer.zero_grad(set_to_none=True)
                     stats[f"{prefix}/grad_norm"] = grad_norm.detach()
                     stats[f"{prefix}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
                     per_mini.append(stats)
         return per_mini
+
+    def _count_skips(self, prefix: str, finite: bool) -> None:
+        self.skipped_in_a_row[prefix] = 0 if finite else self.skipped_in_a_row.get(prefix, 0) + 1
+        if self.skipped_in_a_row[prefix] >= MAX_SKIPPED_UPDATES:
+            raise FloatingPointError(
+                f"the last {MAX_SKIPPED_UPDATES} {prefix} updates were all skipped: the gradient norm was NaN or inf. "
+                "Check the scores (critic/score/mean), the learning rate and the loss settings"
+            )
 
     def _actor_loss(self, mb):
         a, temp = self.config.actor, self.config.rollout.temperature

@@ -1,9 +1,11 @@
+import math
 import subprocess
 import sys
+import typing
 
 import pytest
 
-from refppo.config import Config, apply_overrides, config_from_dict, config_to_dict, validate
+from refppo.config import RANGES, Config, _leaf_keys, _owner, apply_overrides, config_from_dict, config_to_dict, get_value, in_range, validate
 
 
 def test_overrides_are_typed():
@@ -47,23 +49,50 @@ def test_bad_values():
     [
         (["actor.ppo_mini_batch_size=24"], "must divide data.train_batch_size=64"),
         (["actor.ppo_micro_batch_size_per_gpu=5"], "must divide the mini-batch of 16 rows"),
-        (["actor.clip_ratio_c=1.0"], "clip_ratio_c must be > 1"),
+        (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c=1.0 is outside its valid range \\(1, inf\\) \\(or null\\)"),
         (["algorithm.adv_estimator=grpo"], "set rollout.n >= 2"),
         (["algorithm.adv_estimator=vtrace"], "vtrace"),
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean' is not one of token-mean"),
         (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type='pid'"),
-        (["rollout.temperature=0"], "rollout.temperature must be > 0"),
-        (["algorithm.lam=1.5"], "gamma and algorithm.lam must be in"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0 is outside its valid range \\(0, inf\\)"),
+        (["algorithm.lam=1.5"], "algorithm.lam=1.5 is outside its valid range \\[0, 1\\]"),
         (["reward_model.enable=true"], "needs reward_model.model.path"),
         (["data.task=file"], "needs data.train_files"),
-        (["trainer.total_training_steps=0"], "total_training_steps must be >= 1"),
+        (["trainer.total_training_steps=0"], "trainer.total_training_steps=0 is outside its valid range \\[1, inf\\)"),
         (["critic.ppo_mini_batch_size=24"], "critic.ppo_mini_batch_size=24 must divide data.train_batch_size=64"),
         (["critic.ppo_mini_batch_size=8", "critic.ppo_micro_batch_size_per_gpu=16"], "must divide the mini-batch of 8 rows"),
-        (["critic.ppo_epochs=0"], "critic.ppo_epochs must be >= 1"),
-        (["reward_model.missing_eos_penalty=-1"], "reward_model.missing_eos_penalty must be >= 0, got -1.0"),
-        (["sft.teacher_carry_error=1.5"], r"sft.teacher_carry_error must be in \[0, 1\]"),
+        (["critic.ppo_epochs=0"], "critic.ppo_epochs=0 is outside"),
+        (["reward_model.missing_eos_penalty=-1"], "reward_model.missing_eos_penalty=-1.0 is outside"),
+        (["sft.teacher_carry_error=1.5"], "sft.teacher_carry_error=1.5 is outside its valid range \\[0, 1\\]"),
         (["rollout.cuda_graphs=true", "trainer.device=cpu"], "rollout.cuda_graphs=true needs a CUDA device"),
-        (["critic.loss_scale_factor=0"], "critic.loss_scale_factor must be > 0"),
+        (["critic.loss_scale_factor=0"], "critic.loss_scale_factor=0.0 is outside"),
+        # Issue 13 item 4: settings that trained wrong without a word.
+        (["actor.grad_clip=-1"], r"actor.grad_clip=-1.0 is outside its valid range \(0, inf\]"),
+        (["critic.grad_clip=0"], "critic.grad_clip=0.0 is outside"),
+        (["actor.entropy_coeff=nan"], r"actor.entropy_coeff=nan is outside its valid range \(-inf, inf\)"),
+        (["actor.kl_loss_coef=-0.1"], "actor.kl_loss_coef=-0.1 is outside"),
+        (["rollout.temperature=inf"], "rollout.temperature=inf is outside"),
+        (["model.lora_alpha=0"], "model.lora_alpha=0 is outside"),
+        (["actor.optim.lr=inf"], r"actor.optim.lr=inf is outside its valid range \[0, inf\)"),
+        (["critic.optim.lr=-1e-3"], "critic.optim.lr=-0.001 is outside"),
+        (["actor.optim.betas=0.9,1.0"], r"actor.optim.betas=1.0 is outside its valid range \[0, 1\)"),
+        (["critic.cliprange_value=-0.5"], "critic.cliprange_value=-0.5 is outside"),
+        (["actor.penalty_kl_coef=-1"], "actor.penalty_kl_coef=-1.0 is outside"),
+        (["algorithm.kl_ctrl.kl_coef=nan"], "algorithm.kl_ctrl.kl_coef=nan is outside"),
+        (["rollout.top_k=0"], r"rollout.top_k=0 is outside its valid range -1 or \[1, inf\)"),
+        (["trainer.save_freq=0"], "trainer.save_freq=0 is outside"),
+        (["actor.ppo_micro_batch_size_per_gpu=0"], r"actor.ppo_micro_batch_size_per_gpu=0 is outside its valid range \[1, inf\) \(or null\)"),
+        (["trainer.total_training_steps=5"], "trainer.critic_warmup=5 must be < trainer.total_training_steps=5"),
+        (["sft.batch_size=0"], "sft.batch_size=0 is outside"),
+        (["sft.steps=0"], "sft.steps=0 is outside"),
+        (["sft.lr=nan"], "sft.lr=nan is outside"),
+        (["rm.lr=0"], "rm.lr=0.0 is outside"),
+        # Issue 13 item 5: options another option makes meaningless.
+        (["data.train_files=x.jsonl"], "data.train_files is read only with data.task=file"),
+        (["data.val_files=x.jsonl"], "data.val_files is read only with data.task=file"),
+        (["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.reward_fn=m:f"], "both give the training score"),
+        (["reward_model.model.path=rm"], "reward_model.model.path is read only with reward_model.enable=true"),
+        (["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.path=c"], "critic.model.path is set but algorithm.adv_estimator=grpo uses no critic"),
     ],
 )
 def test_validation_errors(overrides, message):
@@ -80,3 +109,29 @@ def test_round_trip_through_a_dict():
 def test_importing_the_config_loads_no_model_library():
     code = "import sys, refppo.config; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_every_numeric_setting_has_a_valid_range():
+    """A new numeric field must declare its range, or validation would let NaN and inf through."""
+    config = Config()
+    numeric = []
+    for key in _leaf_keys(config):
+        value = get_value(config, key)
+        hint = str(typing.get_type_hints(type(_owner(config, key)[0]))[key.rsplit(".", 1)[1]])
+        if isinstance(value, (int, float, tuple)) and not isinstance(value, bool) or "int" in hint or "float" in hint:
+            numeric.append(key)
+    assert len(numeric) > 50
+    assert sorted(set(numeric) - set(RANGES)) == []
+    assert sorted(set(RANGES) - set(numeric)) == []  # no stale entry
+
+
+@pytest.mark.parametrize(
+    "value, spec, inside",
+    [
+        (0.0, "[0, 1)", True), (1.0, "[0, 1)", False), (1.0, "(0, 1]", True), (0.0, "(0, 1]", False),
+        (math.inf, "(0, inf)", False), (math.inf, "(0, inf]", True), (math.nan, "(-inf, inf)", False),
+        (-1, "-1 or [1, inf)", True), (0, "-1 or [1, inf)", False), (7, "-1 or [1, inf)", True),
+    ],
+)  # fmt: skip
+def test_in_range(value, spec, inside):
+    assert in_range(value, spec) is inside

@@ -164,9 +164,44 @@ def test_nonfinite_gradient_skips_the_step():
     assert all(s["actor/skipped_nonfinite_grad"] == 1.0 for s in stats)
 
 
+def test_a_run_whose_updates_are_all_skipped_stops_with_an_error():
+    """Scores of 1e30 give a non-finite gradient in every update: the run must stop, not finish."""
+    trainer = make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), 1e30))
+    limit = refppo.trainer.MAX_SKIPPED_UPDATES
+    with pytest.raises(FloatingPointError, match=f"the last {limit} critic updates were all skipped"):
+        _run(trainer, limit)  # 2 critic updates a step
+    assert trainer.step == limit // 2 - 1
+    trainer = make_trainer()
+    for finite in [False] * (limit - 1) + [True] + [False] * (limit - 1):  # a good update resets the count
+        trainer._count_skips("actor", finite)
+    assert trainer.skipped_in_a_row["actor"] == limit - 1
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"])
+def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode):
+    """The first mini-batch's logged stats (before any update) equal with one micro-batch and
+    with four: the loss stats combine like the loss, the token means by token share."""
+    settings = [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01"]
+    whole, split = make_trainer(settings), make_trainer([*settings, "actor.ppo_micro_batch_size_per_gpu=2"])
+    batch, _ = whole.make_experience(whole.sampler.next_batch(), {})
+    split.sampler.next_batch()
+    for trainer in (whole, split):
+        trainer.shuffle_gen.manual_seed(0)
+        mini = trainer._minibatch_updates(
+            {k: v.clone() for k, v in batch.items()}, trainer.actor_opt, trainer.actor_params, 1.0, 1, 8,
+            trainer.config.actor.ppo_micro_batch_size_per_gpu, mode, trainer._actor_loss, "actor",
+        )[0]  # fmt: skip
+        trainer.first = {k: float(v) for k, v in mini.items() if k != "actor/grad_norm"}
+    assert set(whole.first) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"}
+    assert whole.first == pytest.approx(split.first, rel=1e-5, abs=1e-7)
+
+
 def test_reward_function_errors():
-    with pytest.raises(ValueError, match=r"the reward function returned shape \(3,\); expected \(16,\)"):
+    with pytest.raises(ValueError, match=r"reward function test_trainer:.*<lambda> returned shape \(3,\); expected \(16,\)"):
         make_trainer(reward_fn=lambda p, r, rec: torch.zeros(3)).train_step()
+    for wrong in (None, {"score": 1.0}, ["good"] * 16):
+        with pytest.raises(ValueError, match=f"returned a {type(wrong).__name__}; expected 16 numbers"):
+            make_trainer(reward_fn=lambda p, r, rec, wrong=wrong: wrong).train_step()
     with pytest.raises(ValueError, match="non-finite score"):
         make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), float("nan"))).train_step()
     assert check_scores([1, 2], 2, "x").dtype == torch.float32
