@@ -50,10 +50,13 @@ def load_tokenizer(path: str | None):
 
 
 def load_reward_fn(spec: str):
-    """Import ``package.module:function``."""
+    """Import ``package.module:function``, looking in the working directory too (as ``python -m``
+    does)."""
     module, sep, name = spec.partition(":")
     if not sep:
         raise ValueError(f"reward_model.reward_fn={spec!r} must look like package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the refppo script, unlike python -m, lacks it
+        sys.path.insert(0, os.getcwd())
     fn = getattr(importlib.import_module(module), name, None)
     if not callable(fn):
         raise ValueError(f"reward_model.reward_fn={spec!r}: {module} has no function {name!r}")
@@ -102,13 +105,13 @@ def run_rm(config: Config, make_run) -> None:
 
 
 def run_ppo(config: Config, make_run) -> None:
-    from refppo.trainer import PPOTrainer, fit
+    from refppo.trainer import PPOTrainer, check_scores, describe, fit
 
     if config.model.path is None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
     device = _device(config)
     tokenizer = load_tokenizer(config.model.path)
-    train, val, task_reward = task_data(config)
+    train, val, task_reward = task_data(config, tokenizer)
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device)
     if config.model.lora_rank > 0:
@@ -119,10 +122,14 @@ def run_ppo(config: Config, make_run) -> None:
     rm_cfg = config.reward_model
     reward_model = None
     if rm_cfg.enable:
-        reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device))
+        reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device, require_head=True))
     reward_fn = load_reward_fn(rm_cfg.reward_fn) if rm_cfg.reward_fn else task_reward
     if reward_fn is None and reward_model is None:
         raise ValueError("data.task=file needs reward_model.reward_fn=package.module:function or reward_model.enable=true")
+    if reward_fn is not None:  # a reward function that cannot score is found before the run folder exists
+        probe = val[:2]
+        spec = f"reward function {describe(reward_fn)}"
+        check_scores(reward_fn([r[config.data.prompt_key] for r in probe], [""] * len(probe), probe), len(probe), spec)
     # With a learned reward, the task's own rule is the gold score: report it, never train on it.
     extras = {"gold": task_reward} if reward_model is not None and task_reward is not None else None
     trainer = PPOTrainer(

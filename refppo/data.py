@@ -54,8 +54,16 @@ class EpochSampler:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
 
-def load_records(path: str, prompt_key: str) -> list[dict]:
-    """Prompt records from a JSONL or Parquet file; each needs ``prompt_key``."""
+def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None) -> list[dict]:
+    """Prompt records from a JSONL or Parquet file; each needs a string ``prompt_key``.
+
+    Every problem is found here, before any training, and named by file and line (row for
+    Parquet): a missing file or a folder, bytes that are not UTF-8, a line that is not JSON, a
+    record without the prompt, and, given ``tokenizer`` and ``max_prompt_length``, a prompt with
+    more tokens than that (``data.truncation=error``).
+    """
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"dataset path {path!r} is a folder; give a .jsonl or .parquet file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file {path!r} does not exist")
     if path.endswith(".parquet"):
@@ -63,26 +71,38 @@ def load_records(path: str, prompt_key: str) -> list[dict]:
             import pandas as pd
         except ImportError:
             raise ImportError("reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
-        records = pd.read_parquet(path).to_dict("records")
+        located = [(f"{path}: row {n}", rec) for n, rec in enumerate(pd.read_parquet(path).to_dict("records"), 1)]
     else:
-        records = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
-    for n, rec in enumerate(records, 1):
-        if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
-            raise ValueError(f"{path}: record {n} has no string field {prompt_key!r} (data.prompt_key)")
-    if not records:
+        located = []
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                    if line.strip():
+                        located.append((f"{path}:{n}", json.loads(line)))
+                except UnicodeDecodeError:
+                    raise ValueError(f"{path}:{n} is not UTF-8 text") from None
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
+    if not located:
         raise ValueError(f"{path} holds no records")
-    return records
+    for where, rec in located:
+        if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
+            raise ValueError(f"{where}: the record has no string field {prompt_key!r} (data.prompt_key)")
+        if tokenizer is not None and max_prompt_length is not None:
+            length = len(tokenizer(rec[prompt_key])["input_ids"])
+            if length > max_prompt_length:
+                raise ValueError(
+                    f"{where}: the prompt has {length} tokens, more than data.max_prompt_length={max_prompt_length} "
+                    "(raise it, or set data.truncation=left or right)"
+                )
+    return [rec for _, rec in located]
 
 
-def task_data(config: Config) -> tuple[list[dict], list[dict], object]:
-    """(train records, held-out records, default reward function) of ``data.task``."""
+def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], object]:
+    """(train records, held-out records, default reward function) of ``data.task``; with a
+    ``tokenizer``, file prompts longer than ``data.max_prompt_length`` are refused at load time
+    (unless ``data.truncation`` cuts them)."""
     d = config.data
     if d.task == "arithmetic":
         train, held = arithmetic.make_problems(n_heldout=d.val_size)
@@ -90,8 +110,9 @@ def task_data(config: Config) -> tuple[list[dict], list[dict], object]:
         return as_records(train), as_records(held), arithmetic.exact_match_reward
     if d.task == "preference":
         return preference.make_prompts(4000, seed=1), preference.make_prompts(d.val_size, seed=2), preference.gold_reward
-    train = load_records(d.train_files, d.prompt_key)
-    val = load_records(d.val_files, d.prompt_key) if d.val_files else train[: d.val_size]
+    limit = d.max_prompt_length if d.truncation == "error" else None
+    train = load_records(d.train_files, d.prompt_key, tokenizer, limit)
+    val = load_records(d.val_files, d.prompt_key, tokenizer, limit) if d.val_files else train[: d.val_size]
     return train, val, None
 
 

@@ -203,6 +203,7 @@ def load_value_model(
     tokenizer=None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    require_head: bool = False,
 ) -> PreTrainedModel:
     """The critic or the reward model: a causal-LM backbone with a scalar head, dropout off.
 
@@ -215,6 +216,8 @@ def load_value_model(
         tokenizer: if given, the embeddings grow to ``len(tokenizer)`` when it is larger.
         device: where the weights live.
         dtype: weight dtype.
+        require_head: refuse a source without a trained head (a reward model must have one:
+            a random head would score noise).
 
     Returns:
         A model whose forward gives ``logits`` of shape (batch, seq, 1): one scalar per position.
@@ -222,6 +225,11 @@ def load_value_model(
     config = _config_without_dropout(source, num_labels=1)
     model, missing = _build(AutoModelForTokenClassification, source, config, tokenizer, device, dtype)
     if missing is None or f"{value_head_name(model)}.weight" in missing:
+        if require_head:
+            raise ValueError(
+                f"{source} holds no trained scalar head (an ordinary language model?); a reward model "
+                "must have one: train it with `refppo rm` and point reward_model.model.path at <rm run>/model"
+            )
         init_value_head(model)
     return model
 

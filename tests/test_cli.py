@@ -60,12 +60,27 @@ def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
     assert (out / "metrics.jsonl").exists()
 
 
+def returns_strings(prompts, responses, records):
+    return ["good"] * len(responses)
+
+
+def returns_none(prompts, responses, records):
+    return None
+
+
 @pytest.mark.parametrize(
     "extra, error, message",
     [
         (["data.train_files=/nowhere/x.jsonl"], FileNotFoundError, "does not exist"),
-        (["data.train_files={bad}"], ValueError, "line 2|:2 is not valid JSON"),
-        (["data.train_files={nokey}"], ValueError, "record 1 has no string field 'prompt'"),
+        (["data.train_files={bad}"], ValueError, "bad.jsonl:2 is not valid JSON"),
+        (["data.train_files={nokey}"], ValueError, "nokey.jsonl:1: the record has no string field 'prompt'"),
+        (["data.train_files={latin1}"], ValueError, "latin1.jsonl:2 is not UTF-8 text"),
+        (["data.train_files={long}"], ValueError, "long.jsonl:3: the prompt has 2[0-9] tokens, more than data.max_prompt_length=16"),
+        (["data.train_files={good}", "data.val_files={long}"], ValueError, "long.jsonl:3: the prompt has"),
+        (["data.train_files={folder}"], IsADirectoryError, "is a folder"),
+        (["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_strings"], ValueError, "reward function test_cli:returns_strings returned a list; expected 1 numbers"),
+        (["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_none"], ValueError, "test_cli:returns_none returned a NoneType"),
+        (["data.train_files={good}", "reward_model.enable=true", "reward_model.model.path={lm}"], ValueError, "holds no trained scalar head"),
         (["data.train_files={good}", "reward_model.reward_fn=refppo.tasks.arithmetic:nothing"], ValueError, "has no function 'nothing'"),
         (["data.train_files={good}", "reward_model.reward_fn=nocolon"], ValueError, "package.module:function"),
         (["data.train_files={good}"], ValueError, "needs reward_model.reward_fn"),
@@ -75,7 +90,10 @@ def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_pat
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json}\n')
     (tmp_path / "nokey.jsonl").write_text('{"question": "1+1="}\n')
     (tmp_path / "good.jsonl").write_text('{"prompt": "1+1="}\n')
-    files = {k: tmp_path / f"{k}.jsonl" for k in ("bad", "nokey", "good")}
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "1+1="}\n{"prompt": "café"}\n'.encode("latin-1"))
+    (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n\n{"prompt": "' + "1+" * 10 + '1="}\n')
+    (tmp_path / "folder.jsonl").mkdir()
+    files = {k: tmp_path / f"{k}.jsonl" for k in ("bad", "nokey", "good", "latin1", "long", "folder")} | {"lm": f"{sft_run}/model"}
     out = tmp_path / "run"
     extra = [e.format(**files) for e in extra]
     with pytest.raises(error, match=message):
@@ -147,3 +165,13 @@ def test_cached_run_trains_once_per_setting(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     with pytest.raises(ValueError, match="unknown command 'eval'"):
         cli.cached_run("eval", [], tmp_path)
+
+
+def test_a_reward_module_in_the_working_directory_is_found(tmp_path):
+    """The ``refppo`` script's sys.path lacks the working directory (``python -m`` adds it);
+    ``-I`` reproduces that."""
+    (tmp_path / "my_reward.py").write_text("def score(prompts, responses, records):\n    return [1.0] * len(responses)\n")
+    code = "from refppo.cli import load_reward_fn; print(load_reward_fn('my_reward:score')([], ['a', 'b'], []))"
+    result = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[1.0, 1.0]"
