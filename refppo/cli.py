@@ -2,7 +2,8 @@
 
 Each command writes a run folder (``trainer.output_dir``) with ``config.json``,
 ``metrics.jsonl`` and its model(s) saved with ``save_pretrained`` (the tokenizer beside them), so
-the next stage takes ``model.path=<run>/model``. Examples (the offline arithmetic pipeline)::
+the next stage takes ``model.path=<run>/model`` (a PPO run's ``<run>/actor``; with LoRA that is
+the merged model, and ``<run>/actor_adapter`` holds the adapter alone). Examples (the offline arithmetic pipeline)::
 
     refppo sft trainer.output_dir=runs/sft
     refppo ppo model.path=runs/sft/model trainer.output_dir=runs/ppo
@@ -24,7 +25,7 @@ from refppo.advantages import needs_critic
 from refppo.config import Config, apply_overrides, config_to_dict, validate
 from refppo.data import sft_examples, task_data
 from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
-from refppo.runs import RunFolder, check_free
+from refppo.runs import RunFolder, check_free, check_resume
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
@@ -136,12 +137,14 @@ def run_ppo(config: Config, make_run) -> None:
         config, tokenizer, actor, critic, train, val, reward_fn=reward_fn, reward_model=reward_model, extra_reward_fns=extras
     )
     run = make_run()
-    step = run.latest_step() if config.trainer.resume else None
-    if step is not None:
-        trainer.load_state_dict(torch.load(run.checkpoint_dir(step) / "trainer_state.pt", weights_only=False))
+    if run.resume is not None:
+        trainer.load_state_dict(run.resume.state)
     if config.trainer.tensorboard:
         run.enable_tensorboard()
     fit(trainer, run, config.trainer.progress_bar)
+    if config.model.lora_rank > 0:  # the adapter, then the merged model the next stage loads as model.path
+        _save_model(actor, tokenizer, run.path / "actor_adapter")
+        actor = actor.merge_and_unload()
     _save_model(actor, tokenizer, run.path / "actor")
 
 
@@ -156,9 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     config = Config()
     config.trainer.output_dir = f"runs/{command}"
     validate(apply_overrides(config, overrides))
-    out, resume = config.trainer.output_dir, config.trainer.resume
-    if not resume:
-        check_free(out)  # before any work: a run is never written over another
+    out = config.trainer.output_dir
+    if config.trainer.resume and command != "ppo":
+        raise ValueError(f"refppo {command} saves no checkpoints: trainer.resume=true is for refppo ppo")
+    # Before any work: a run is never written over another, and a resume finds a checkpoint
+    # that loads and the same settings (an empty or missing folder starts fresh).
+    resume = check_resume(out, config) if config.trainer.resume else None
+    if resume is None:
+        check_free(out)
     # Each command loads everything that can fail (models, data, reward function) first and
     # only then creates the run folder.
     {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, lambda: RunFolder(out, config, resume))

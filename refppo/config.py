@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -152,7 +151,7 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     output_dir: str = "runs/ppo"  # the run folder: config, metrics.jsonl, checkpoints
-    save_freq: int = -1  # steps between checkpoints; -1: only at the end
+    save_freq: int = 100  # steps between checkpoints (and one at the end); -1: only at the end
     test_freq: int = 100  # steps between held-out evaluations; -1: never
     resume: bool = False  # continue the run in output_dir from its last checkpoint
     critic_warmup: int = 5  # steps that update only the critic
@@ -367,12 +366,6 @@ def config_from_dict(values: dict) -> Config:
 
     walk(values, "")
     return apply_overrides(Config(), flat)
-
-
-def save_config(config: Config, path) -> None:
-    """Write the resolved config as JSON."""
-    with open(path, "w") as f:
-        json.dump(config_to_dict(config), f, indent=2)
 
 
 def critic_epochs(config: Config) -> int:

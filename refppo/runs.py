@@ -2,21 +2,40 @@
 
 A checkpoint is written into a temporary folder and renamed into place, and ``latest`` is
 replaced atomically after it, so a crash while saving never damages the last good checkpoint.
+A resume trusts no single file: :func:`check_resume` loads the newest checkpoint that loads
+(``latest`` is only for people), and nothing in the folder changes before every check passed.
 
 Layout::
 
-    run/config.json  run/metrics.jsonl  run/latest  run/checkpoints/step_000010/...
+    run/config.json  run/metrics.jsonl  run/latest  run/checkpoints/step_000010/trainer_state.pt
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.config import Config, save_config
+from refppo.config import Config, config_to_dict
+
+STATE_FILE = "trainer_state.pt"  # a checkpoint's one file: PPOTrainer.state_dict()
+
+# Settings a resumed run may change: how it runs, never what it computes.
+RESUMABLE_CHANGES = frozenset(
+    {
+        "trainer.total_training_steps", "trainer.resume", "trainer.output_dir", "trainer.progress_bar",
+        "trainer.tensorboard", "trainer.save_freq", "trainer.test_freq", "trainer.device",
+        "actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+        "rollout.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu",
+        "reward_model.micro_batch_size_per_gpu",
+    }
+)  # fmt: skip
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -25,14 +44,121 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def holds_run(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a non-empty folder."""
+    path = Path(path)
+    return path.is_dir() and any(path.iterdir())
+
+
 def check_free(path: str | os.PathLike) -> None:
     """Raise FileExistsError if ``path`` already holds a run (a non-empty folder)."""
-    path = Path(path)
-    if path.exists() and any(path.iterdir()):
+    if holds_run(path):
         raise FileExistsError(
             f"run folder {str(path)!r} already holds a run; pick a new trainer.output_dir "
             "or set trainer.resume=true to continue it"
         )
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in values.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
+    return out
+
+
+@dataclass
+class Resume:
+    """What :func:`check_resume` found: the checkpoint to continue from and the log to keep.
+
+    Attributes:
+        step: the checkpoint's step.
+        state: the trainer state saved there (``PPOTrainer.load_state_dict`` takes it).
+        metrics: the lines of ``metrics.jsonl`` up to ``step``, each ending in a newline.
+        notes: what was passed over (unreadable checkpoints, a torn last log line).
+    """
+
+    step: int
+    state: dict
+    metrics: list[str]
+    notes: list[str]
+
+
+def _checkpoints(path: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete-looking checkpoint, newest first."""
+    found = []
+    for folder in (path / "checkpoints").glob("step_*"):
+        match = re.fullmatch(r"step_(\d+)", folder.name)
+        if match and folder.is_dir():
+            found.append((int(match.group(1)), folder))
+    return sorted(found, reverse=True)
+
+
+def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
+    """Everything a resume needs, read and checked without writing anything.
+
+    Refuses (ValueError) a folder whose ``config.json`` differs from ``config`` in a setting
+    outside ``RESUMABLE_CHANGES`` (all listed), one with no checkpoint that loads, and a
+    metrics log damaged anywhere but its last line (a line torn by a kill is dropped).
+
+    Args:
+        path: the run folder.
+        config: the resumed run's config.
+
+    Returns:
+        None when ``path`` is missing or empty (nothing to resume: the run starts fresh),
+        else the newest checkpoint that loads.
+    """
+    import torch
+
+    path = Path(path)
+    if not holds_run(path):
+        return None
+    try:
+        saved = _flat(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot resume {str(path)!r}: its config.json is unreadable ({e})") from None
+    new = _flat(config_to_dict(config))
+    changed = [
+        f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(set(saved) | set(new))
+        if k not in RESUMABLE_CHANGES and saved.get(k) != (list(new[k]) if isinstance(new.get(k), tuple) else new.get(k))
+    ]
+    if changed:
+        raise ValueError(
+            f"cannot resume {str(path)!r} with different settings (a resumed run must mean the same run); "
+            f"changed: {'; '.join(changed)}. Start a new run in another trainer.output_dir instead"
+        )
+    notes = []
+    for step, folder in _checkpoints(path):
+        try:
+            state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+            if state["step"] != step:
+                raise ValueError(f"it holds step {state['step']}")
+        except Exception as e:  # torch raises many kinds for a truncated or foreign file
+            notes.append(f"{folder.name} does not load ({type(e).__name__}: {e}); left in place")
+            continue
+        return Resume(step, state, _metrics_until(path / "metrics.jsonl", step, notes), notes)
+    raise ValueError(
+        f"cannot resume {str(path)!r}: it holds no checkpoint that loads ({'; '.join(notes) or 'none saved yet'}). "
+        "Nothing was changed; start a new run in another trainer.output_dir"
+    )
+
+
+def _metrics_until(path: Path, step: int, notes: list[str]) -> list[str]:
+    """The log's lines up to ``step``; a torn last line is dropped (noted), other damage refused."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    kept = []
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                notes.append(f"the torn last line of {path.name} was dropped")
+                break
+            raise ValueError(f"cannot resume: {path}:{n} is not a JSON line") from None
+        if record["step"] <= step:
+            kept.append(line + "\n")
+    return kept
 
 
 class RunFolder:
@@ -41,36 +167,33 @@ class RunFolder:
     Args:
         path: the folder.
         config: the resolved config, written to ``config.json``.
-        resume: continue a run in ``path`` (its metrics after the last checkpoint are dropped);
-            without it an existing non-empty folder is refused, so no run is written over
-            another.
+        resume: what :func:`check_resume` found, to continue that run: its metrics after the
+            checkpoint are dropped. Without it an existing non-empty folder is refused, so no
+            run is written over another.
     """
 
-    def __init__(self, path: str | os.PathLike, config: Config, resume: bool = False):
+    def __init__(self, path: str | os.PathLike, config: Config, resume: Resume | None = None):
         self.path = Path(path)
-        if not resume:
+        self.resume = resume
+        if resume is None:
             check_free(self.path)
         (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
-        save_config(config, self.path / "config.json")
+        _atomic_write_text(self.path / "config.json", json.dumps(config_to_dict(config), indent=2))
         self.metrics_path = self.path / "metrics.jsonl"
         self.tensorboard = None
-        if resume:
-            step = self.latest_step() or 0
-            self._truncate_metrics(step)
+        if resume is not None:
+            _atomic_write_text(self.metrics_path, "".join(resume.metrics))
+            for note in resume.notes:
+                print(f"refppo: {note}", file=sys.stderr)
+            print(f"refppo: resuming {self.path} from step {resume.step}", file=sys.stderr)
 
     def latest_step(self) -> int | None:
-        """The step of the last complete checkpoint, or None."""
+        """The step recorded in ``latest`` (the last checkpoint this folder completed), or None."""
         latest = self.path / "latest"
         return int(latest.read_text()) if latest.exists() else None
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / "checkpoints" / f"step_{step:06d}"
-
-    def _truncate_metrics(self, step: int) -> None:
-        if not self.metrics_path.exists():
-            return
-        lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        _atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in lines))
 
     def enable_tensorboard(self) -> None:
         """Also write every metric to TensorBoard event files under ``tensorboard/``."""
@@ -92,20 +215,33 @@ class RunFolder:
 
     def save_checkpoint(self, step: int, write) -> Path:
         """Write a checkpoint for ``step``: ``write(folder)`` fills a temporary folder, which is
-        then renamed into place and recorded in ``latest``.
+        then renamed into place and recorded in ``latest``. A folder already there for ``step``
+        (e.g. one a resume passed over as unreadable) is kept, renamed ``<name>.replaced[-k]``.
+        A failed write (disk full) removes its partial folder and says how much space is left.
 
         Returns:
             The checkpoint folder.
         """
         final = self.checkpoint_dir(step)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial write of this same run, killed
         tmp.mkdir(parents=True)
-        write(tmp)
-        old = final.with_name(final.name + ".old")
-        if final.exists():  # a re-save of the same step: keep the old one until the new is in place
-            os.replace(final, old)
+        try:
+            write(tmp)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self.path).free
+            full = free < 2**20 or any(getattr(x, "errno", None) == errno.ENOSPC for x in (e, e.__cause__, e.__context__))
+            raise OSError(
+                f"{'no space left on the disk: ' if full else ''}writing checkpoint {final.name} failed ({e}); "
+                f"{free / 2**20:.0f} MiB free. The last good checkpoint (step {self.latest_step()}) is intact"
+            ) from e
+        if final.exists():
+            aside, k = final.with_name(final.name + ".replaced"), 1
+            while aside.exists():
+                k += 1
+                aside = final.with_name(f"{final.name}.replaced-{k}")
+            os.replace(final, aside)
         os.replace(tmp, final)
         _atomic_write_text(self.path / "latest", str(step))
-        shutil.rmtree(old, ignore_errors=True)
         return final

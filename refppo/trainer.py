@@ -54,6 +54,7 @@ from refppo.rollout import (
     response_values,
     tokenize_prompts,
 )
+from refppo.runs import STATE_FILE
 
 # Stats aggregated with loss_agg_mode, as the loss is: micro-batches combine like the loss.
 LOSS_STATS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss"})
@@ -538,7 +539,7 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
             metrics.update(trainer.held_out_metrics())
         record(step, metrics)
         if run is not None and ((t.save_freq > 0 and step % t.save_freq == 0) or last):
-            run.save_checkpoint(step, lambda folder: torch.save(trainer.state_dict(), folder / "trainer_state.pt"))
+            run.save_checkpoint(step, lambda folder: torch.save(trainer.state_dict(), folder / STATE_FILE))
         kl = metrics.get("actor/ppo_kl", float("nan"))
         bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", kl=f"{kl:.4f}", step_s=f"{metrics['timing_s/step']:.2f}")
         bar.update(1)

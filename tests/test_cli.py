@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from refppo.cli import main
 from refppo.config import Config
@@ -49,6 +50,19 @@ def test_ppo_run_resume_and_refusal(sft_run, tmp_path):
     assert main(args + ["trainer.resume=true", "trainer.total_training_steps=3"]) == 0
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [0, 1, 2, 3]
+
+
+def test_a_lora_run_saves_a_merged_actor_the_next_stage_loads(sft_run, tmp_path):
+    from refppo.models import load_causal_lm
+
+    out = tmp_path / "ppo_lora"
+    args = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "model.lora_rank=4", "actor.optim.lr=1e-2"]
+    assert main([*args, *QUICK_PPO]) == 0
+    assert (out / "actor_adapter" / "adapter_config.json").exists() and not (out / "actor" / "adapter_config.json").exists()
+    merged, sft = load_causal_lm(out / "actor"), load_causal_lm(sft_run / "model")
+    assert merged.state_dict().keys() == sft.state_dict().keys()  # a plain model: no lora_ weights left
+    assert any(not torch.equal(a, b) for a, b in zip(merged.state_dict().values(), sft.state_dict().values()))
+    assert main(["ppo", f"model.path={out}/actor", f"trainer.output_dir={tmp_path / 'next'}", *QUICK_PPO]) == 0
 
 
 def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):

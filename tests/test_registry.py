@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config
 
 from _trainers import RECORDS, TOK, first_char_is_seven, make_trainer
-from refppo.advantages import ADV_ESTIMATORS, needs_critic, register_adv_est
+from refppo.advantages import needs_critic, register_adv_est
 from refppo.config import Config, apply_overrides, validate
 from refppo.functional import masked_mean
 from refppo.kl import kl_penalty, kl_penalty_types, register_kl_estimator

@@ -5,7 +5,7 @@ import torch
 
 from _trainers import make_trainer
 import refppo.trainer
-from refppo.runs import RunFolder
+from refppo.runs import RunFolder, check_resume
 from refppo.trainer import check_scores, fit
 
 
@@ -136,14 +136,14 @@ def test_resume_gives_the_same_metrics(tmp_path):
     first = make_trainer(overrides)
     first.config.trainer.total_training_steps = 2  # "stopped" after step 2
     fit(first, RunFolder(tmp_path / "b", first.config), progress_bar=False)
-    run = RunFolder(tmp_path / "b", straight.config, resume=True)
+    run = RunFolder(tmp_path / "b", straight.config, resume=check_resume(tmp_path / "b", straight.config))
     resumed = make_trainer(overrides)
     with torch.no_grad():  # scrambled weights: everything must come from the checkpoint
         for p in [*resumed.actor.parameters(), *resumed.critic.parameters()]:
             p.add_(torch.randn_like(p))
     resumed.gen.manual_seed(123)
     resumed.shuffle_gen.manual_seed(123)
-    resumed.load_state_dict(torch.load(run.checkpoint_dir(run.latest_step()) / "trainer_state.pt", weights_only=False))
+    resumed.load_state_dict(run.resume.state)
     rest = fit(resumed, run, progress_bar=False)
     assert [_no_timing(m) for m in rest] == [_no_timing(m) for m in full[3:]]
     assert [m["step"] for m in rest] == [3, 4]

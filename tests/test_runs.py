@@ -1,0 +1,176 @@
+"""Run folders never lose work (refppo.runs): resume from the newest checkpoint that loads,
+torn logs, changed settings, a full disk, and SIGKILLs during training."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from refppo.cli import main
+from refppo.config import Config, apply_overrides
+from refppo.runs import STATE_FILE, RunFolder, check_resume
+
+
+def _saved_run(path, steps=(2, 4, 6)):
+    """A run folder with a metrics line per step (0 to the last) and a checkpoint at ``steps``."""
+    run = RunFolder(path, Config())
+    for step in range(max(steps) + 1):
+        run.log(step, {"score": float(step)})
+        if step in steps:
+            run.save_checkpoint(step, lambda folder, step=step: torch.save({"step": step}, folder / STATE_FILE))
+    return run
+
+
+def _snapshot(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
+
+
+def _steps(path):
+    return [json.loads(line)["step"] for line in (Path(path) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
+def test_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, damage):
+    run = _saved_run(tmp_path / "r")
+    newest = run.checkpoint_dir(6) / STATE_FILE
+    if damage == "truncated":
+        newest.write_bytes(newest.read_bytes()[:20])
+    elif damage == "empty":
+        newest.write_bytes(b"")
+    else:
+        newest.unlink()
+    (tmp_path / "r" / "latest").write_text("garbage")  # never trusted
+    resume = check_resume(tmp_path / "r", Config())
+    assert resume.step == 4 and resume.state == {"step": 4}
+    assert "step_000006 does not load" in resume.notes[0]
+    resumed = RunFolder(tmp_path / "r", Config(), resume)
+    assert _steps(tmp_path / "r") == [0, 1, 2, 3, 4]  # the lines past the checkpoint are dropped
+    damaged = _snapshot(run.checkpoint_dir(6))
+    resumed.save_checkpoint(6, lambda folder: torch.save({"step": 6}, folder / STATE_FILE))
+    # The checkpoint this run did not write is kept beside the new one, untouched.
+    assert _snapshot(run.checkpoint_dir(6).with_name("step_000006.replaced")) == damaged
+    assert torch.load(run.checkpoint_dir(6) / STATE_FILE) == {"step": 6}
+
+
+def test_a_torn_last_log_line_is_dropped_and_other_damage_refused(tmp_path):
+    _saved_run(tmp_path / "r")
+    log = tmp_path / "r" / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 7, "sco')
+    resume = check_resume(tmp_path / "r", Config())
+    assert resume.step == 6 and "torn last line" in resume.notes[0]
+    RunFolder(tmp_path / "r", Config(), resume)
+    assert _steps(tmp_path / "r") == list(range(7))
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    before = _snapshot(tmp_path / "r")
+    with pytest.raises(ValueError, match="metrics.jsonl:2 is not a JSON line"):
+        check_resume(tmp_path / "r", Config())
+    assert _snapshot(tmp_path / "r") == before
+
+
+def test_a_resume_with_changed_settings_is_refused_before_any_write(tmp_path):
+    _saved_run(tmp_path / "r")
+    before = _snapshot(tmp_path / "r")
+    changed = apply_overrides(Config(), ["actor.optim.lr=1e-3", "model.path=/elsewhere", "trainer.total_training_steps=9"])
+    with pytest.raises(ValueError, match=r"changed: actor.optim.lr: 5e-05 -> 0.001; model.path: None -> '/elsewhere'\. Start a new"):
+        check_resume(tmp_path / "r", changed)
+    assert _snapshot(tmp_path / "r") == before  # config.json and the log untouched
+    longer = apply_overrides(Config(), ["trainer.total_training_steps=9", "actor.ppo_micro_batch_size_per_gpu=4"])
+    RunFolder(tmp_path / "r", longer, check_resume(tmp_path / "r", longer))
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["trainer"]["total_training_steps"] == 9
+
+
+def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
+    run = RunFolder(tmp_path / "r", Config())
+    run.log(0, {"val/score": 0.5})  # killed before its first checkpoint
+    before = _snapshot(tmp_path / "r")
+    with pytest.raises(ValueError, match="holds no checkpoint that loads .*none saved yet.*Nothing was changed"):
+        check_resume(tmp_path / "r", Config())
+    assert _snapshot(tmp_path / "r") == before
+    assert check_resume(tmp_path / "empty", Config()) is None  # nothing there: a fresh start
+    with pytest.raises(ValueError, match="refppo sft saves no checkpoints"):
+        main(["sft", "trainer.resume=true", f"trainer.output_dir={tmp_path / 'r'}"])
+    assert _snapshot(tmp_path / "r") == before
+
+
+def test_a_full_disk_keeps_the_last_good_checkpoint(tmp_path):
+    run = _saved_run(tmp_path / "r", steps=(2,))
+
+    def disk_full(folder):
+        (folder / STATE_FILE).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match=r"no space left on the disk: writing checkpoint step_000003 failed .*\(step 2\) is intact"):
+        run.save_checkpoint(3, disk_full)
+    assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_000002"]
+    assert check_resume(tmp_path / "r", Config()).step == 2
+
+
+def test_the_default_saves_periodically():
+    assert 1 <= Config().trainer.save_freq <= 100
+
+
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1"]
+KILL_MID_SAVE = """
+import os, signal, sys, torch
+real = torch.save
+def save(obj, f, *args, **kwargs):  # at step {step}: half a checkpoint file, then SIGKILL
+    real(obj, f, *args, **kwargs)
+    if isinstance(obj, dict) and obj.get("step") == {step}:
+        os.truncate(f, os.path.getsize(f) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+torch.save = save
+from refppo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkills_during_training_then_resume_give_the_uninterrupted_metrics(tmp_path):
+    """SIGKILL mid-checkpoint-write (step 3) and at a random point after step 4; each resume
+    continues from an intact checkpoint, and the final log equals an uninterrupted run's line
+    for line (timings aside), with every checkpoint in place."""
+    assert main(["sft", f"trainer.output_dir={tmp_path / 'sft'}", "sft.steps=3", "sft.batch_size=8", *TINY]) == 0
+    args = [
+        "ppo", f"model.path={tmp_path / 'sft' / 'model'}", "trainer.total_training_steps=7", "trainer.save_freq=1",
+        "trainer.test_freq=3", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "data.val_size=8",
+        "data.max_response_length=4", "trainer.critic_warmup=0", "trainer.progress_bar=false",
+    ]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+
+    def start(out, *extra, script=("-m", "refppo")):
+        return subprocess.Popen([sys.executable, *script, *args, f"trainer.output_dir={out}", *extra], env=env, stderr=subprocess.PIPE, text=True)
+
+    whole = start(tmp_path / "whole")
+    assert whole.wait() == 0, whole.stderr.read()
+
+    out = tmp_path / "killed"
+    (tmp_path / "kill.py").write_text(KILL_MID_SAVE.format(step=3))
+    first = start(out, script=(str(tmp_path / "kill.py"),))
+    assert first.wait() == -signal.SIGKILL
+    assert (out / "latest").read_text() == "2" and (out / "checkpoints" / "step_000003.tmp").exists()
+
+    second = start(out, "trainer.resume=true")
+    while not (out / "metrics.jsonl").exists() or max(_steps(out), default=0) < 5:
+        assert second.poll() is None, second.stderr.read()
+        time.sleep(0.05)
+    second.send_signal(signal.SIGKILL)
+    second.wait()
+    assert "resuming" in (err := second.stderr.read()) and "from step 2" in err, err
+
+    third = start(out, "trainer.resume=true")
+    assert third.wait() == 0, third.stderr.read()
+    clean = lambda path: [  # noqa: E731
+        {k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s/", "perf/"))}
+        for line in (path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in clean(out)] == list(range(8))
+    assert clean(out) == clean(tmp_path / "whole")
+    for step in range(1, 8):
+        assert torch.load(out / "checkpoints" / f"step_{step:06d}" / STATE_FILE, weights_only=False)["step"] == step
