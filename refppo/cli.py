@@ -25,7 +25,7 @@ from refppo.advantages import needs_critic
 from refppo.config import Config, apply_overrides, config_to_dict, validate
 from refppo.data import sft_examples, task_data
 from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
-from refppo.runs import RunFolder, check_free, check_resume
+from refppo.runs import RunFolder, check_free, check_resume, summary
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
@@ -81,7 +81,7 @@ def run_sft(config: Config, make_run) -> None:
     model = load_causal_lm(source, tokenizer, _device(config))
     s, examples = config.sft, sft_examples(config)
     run = make_run()
-    train_sft(model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log)
+    train_sft(model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log, config.trainer.progress_bar)
     _save_model(model, tokenizer, run.path / "model")
 
 
@@ -98,7 +98,7 @@ def run_rm(config: Config, make_run) -> None:
     r = config.rm
     pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
     run = make_run()
-    train_reward_model(rm, tokenizer, pairs, r.steps, r.batch_size, r.lr, config.trainer.seed, run.log)
+    train_reward_model(rm, tokenizer, pairs, r.steps, r.batch_size, r.lr, config.trainer.seed, run.log, config.trainer.progress_bar)
     if r.center:
         prompts, responses = zip(*preference.make_sft_examples(512, seed=config.trainer.seed + 20))
         center_reward_model(rm, tokenizer, list(prompts), list(responses))
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     # Each command loads everything that can fail (models, data, reward function) first and
     # only then creates the run folder.
     {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, lambda: RunFolder(out, config, resume))
-    print(f"run written to {out}")
+    print(summary(out))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from refppo.data import EpochSampler
 from refppo.models import value_head
@@ -31,7 +32,15 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[to
 
 
 def train_reward_model(
-    reward_model, tokenizer, comparisons: list[tuple[str, str, str]], steps: int, batch_size: int, lr: float, seed: int = 0, log=None
+    reward_model,
+    tokenizer,
+    comparisons: list[tuple[str, str, str]],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    log=None,
+    progress_bar: bool = False,
 ) -> list[dict[str, float]]:
     """Train a scalar-head model on (prompt, chosen, rejected) texts with AdamW.
 
@@ -42,6 +51,7 @@ def train_reward_model(
         steps, batch_size, lr: optimisation; pairs are drawn without replacement per epoch.
         seed: data order.
         log: optional ``log(step, metrics)``.
+        progress_bar: show a tqdm bar with the loss and the accuracy.
 
     Returns:
         Per-step ``{"rm/loss", "rm/accuracy"}``.
@@ -52,7 +62,8 @@ def train_reward_model(
     sampler = EpochSampler(comparisons, batch_size, seed)
     history = []
     reward_model.train()
-    for step in range(1, steps + 1):
+    bar = tqdm(range(1, steps + 1), desc="rm", disable=not progress_bar)
+    for step in bar:
         prompts, chosen, rejected = zip(*sampler.next_batch())
         # One forward pass over chosen and rejected together.
         scores = response_scores(reward_model, build_batch(tokenizer, prompts * 2, chosen + rejected))
@@ -65,6 +76,7 @@ def train_reward_model(
         history.append(metrics)
         if log is not None:
             log(step, metrics)
+        bar.set_postfix(loss=f"{metrics['rm/loss']:.3f}", acc=f"{metrics['rm/accuracy']:.2f}")
     reward_model.eval()
     return history
 

@@ -245,3 +245,27 @@ class RunFolder:
         os.replace(tmp, final)
         _atomic_write_text(self.path / "latest", str(step))
         return final
+
+
+def summary(path: str | os.PathLike) -> str:
+    """A few lines on a finished run, from its folder: the steps, the held-out score (first,
+    last, best), the last losses and KLs, the time and where the files are."""
+    path = Path(path)
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    lines = [f"run {path}: {rows[-1]['step'] if rows else 0} steps"]
+    val = [(r["step"], r["val/score"]) for r in rows if r.get("val/score") is not None]
+    if val:
+        best = max(val, key=lambda sv: sv[1])
+        lines.append(f"  val/score: first {val[0][1]:.4g} (step {val[0][0]}), last {val[-1][1]:.4g} (step {val[-1][0]}), best {best[1]:.4g} (step {best[0]})")
+    last = {}
+    for r in rows:
+        last |= {k: v for k, v in r.items() if v is not None}
+    shown = ("sft/loss", "rm/loss", "rm/accuracy", "critic/score/mean", "actor/reward_kl_penalty", "actor/kl_loss", "actor/ppo_kl")
+    if found := [f"{k} {last[k]:.4g}" for k in shown if k in last]:
+        lines.append("  last: " + ", ".join(found))
+    seconds = sum(r.get("timing_s/step") or 0.0 for r in rows)
+    if seconds:
+        lines.append(f"  time in training steps: {seconds:.1f} s")
+    folders = [p.name + "/" for p in sorted(path.iterdir()) if p.is_dir()]
+    lines.append(f"  files: config.json, metrics.jsonl, {', '.join(folders)}")
+    return "\n".join(lines)

@@ -7,6 +7,7 @@ mean log-prob of the response tokens (EOS included) that PPO later computes the 
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from refppo.losses import agg_loss
 from refppo.rollout import build_batch, response_log_probs
@@ -37,6 +38,7 @@ def train_sft(
     lr: float,
     seed: int = 0,
     log=None,
+    progress_bar: bool = False,
 ) -> list[dict[str, float]]:
     """Train ``model`` on (prompt, response) pairs with AdamW and a cosine schedule.
 
@@ -49,6 +51,7 @@ def train_sft(
         lr: peak learning rate.
         seed: data order.
         log: optional ``log(step, metrics)`` called every step.
+        progress_bar: show a tqdm bar with the loss.
 
     Returns:
         Per-step metrics ``{"sft/loss", "sft/lr"}``.
@@ -60,7 +63,8 @@ def train_sft(
     sampler = EpochSampler(examples, batch_size, seed)
     history = []
     model.train()
-    for step in range(1, steps + 1):
+    bar = tqdm(range(1, steps + 1), desc="sft", disable=not progress_bar)
+    for step in bar:
         prompts, responses = zip(*sampler.next_batch())
         loss = sft_loss(model, build_batch(tokenizer, prompts, responses))
         optimizer.zero_grad(set_to_none=True)
@@ -72,5 +76,6 @@ def train_sft(
         history.append(metrics)
         if log is not None:
             log(step, metrics)
+        bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
     model.eval()
     return history

@@ -505,6 +505,22 @@ class PPOTrainer:
             self.critic_sched.load_state_dict(state["critic_sched"])
 
 
+# The progress bar's fields: (label, metric); a metric the step did not compute is left out.
+BAR_FIELDS = (
+    ("score", "critic/score/mean"),
+    ("val", "val/score"),
+    ("ref_kl", "actor/reward_kl_penalty"),  # KL to the reference, in the reward ...
+    ("kl_loss", "actor/kl_loss"),  # ... or in the loss
+    ("ppo_kl", "actor/ppo_kl"),  # old vs new policy
+    ("step_s", "timing_s/step"),
+)
+
+
+def bar_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress bar's postfix for one step's metrics."""
+    return {label: f"{metrics[key]:.4g}" for label, key in BAR_FIELDS if key in metrics}
+
+
 def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[str, float]]:
     """Train to ``trainer.total_training_steps``, validating every ``test_freq`` steps (and at
     step 0, the SFT level), logging one metrics line per step and checkpointing every
@@ -540,8 +556,7 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
         record(step, metrics)
         if run is not None and ((t.save_freq > 0 and step % t.save_freq == 0) or last):
             run.save_checkpoint(step, lambda folder: torch.save(trainer.state_dict(), folder / STATE_FILE))
-        kl = metrics.get("actor/ppo_kl", float("nan"))
-        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", kl=f"{kl:.4f}", step_s=f"{metrics['timing_s/step']:.2f}")
+        bar.set_postfix(bar_fields(metrics))
         bar.update(1)
     bar.close()
     return history

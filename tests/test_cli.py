@@ -34,10 +34,15 @@ def test_sft_writes_a_run_folder(sft_run):
     assert (sft_run / "model" / "config.json").exists() and (sft_run / "model" / "tokenizer_config.json").exists()
 
 
-def test_ppo_run_resume_and_refusal(sft_run, tmp_path):
+def test_ppo_run_resume_and_refusal(sft_run, tmp_path, capsys):
     out = tmp_path / "ppo"
     args = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", *QUICK_PPO]
     assert main(args) == 0
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [ln["val/score"] for ln in lines]
+    printed = capsys.readouterr().out  # the closing summary, computed from the folder
+    assert f"run {out}: 2 steps" in printed and f"first {val[0]:.4g} (step 0), last {val[2]:.4g} (step 2)" in printed
+    assert f"actor/ppo_kl {lines[2]['actor/ppo_kl']:.4g}" in printed and "files: config.json, metrics.jsonl, actor/, checkpoints/" in printed
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [0, 1, 2] and "val/score" in lines[0] and "actor/pg_loss" in lines[2]
     assert (out / "latest").read_text() == "2" and (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()

@@ -229,3 +229,12 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self, _tolist=torch.Tensor.tolist: syncs.append(1) or _tolist(self))
     trainer.update(batch, {})
     assert syncs == [], f"{len(syncs)} value-check host syncs in the update loop (8 micro-batches)"
+
+
+def test_the_progress_bar_shows_the_kl_to_the_reference_when_one_is_computed():
+    plain = make_trainer().train_step()
+    assert list(refppo.trainer.bar_fields(plain)) == ["score", "ppo_kl", "step_s"]
+    both = make_trainer(["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"]).train_step()
+    fields = refppo.trainer.bar_fields(both)
+    assert list(fields) == ["score", "ref_kl", "kl_loss", "ppo_kl", "step_s"]
+    assert fields["ref_kl"] == f"{both['actor/reward_kl_penalty']:.4g}"
