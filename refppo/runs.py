@@ -51,7 +51,9 @@ def holds_run(path: str | os.PathLike) -> bool:
 
 
 def check_free(path: str | os.PathLike) -> None:
-    """Raise FileExistsError if ``path`` already holds a run (a non-empty folder)."""
+    """Raise FileExistsError if ``path`` already holds a run (a non-empty folder) or is a file."""
+    if os.path.isfile(path):
+        raise FileExistsError(f"trainer.output_dir={str(path)!r} is a file, not a run folder")
     if holds_run(path):
         raise FileExistsError(
             f"run folder {str(path)!r} already holds a run; pick a new trainer.output_dir "

@@ -95,6 +95,10 @@ def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
         check_resume(tmp_path / "r", Config())
     assert _snapshot(tmp_path / "r") == before
     assert check_resume(tmp_path / "empty", Config()) is None  # nothing there: a fresh start
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(FileExistsError, match="is a file, not a run folder"):
+        main(["sft", f"trainer.output_dir={tmp_path / 'a_file'}"])
+    assert (tmp_path / "a_file").read_text() == "mine"
     with pytest.raises(ValueError, match="refppo sft saves no checkpoints"):
         main(["sft", "trainer.resume=true", f"trainer.output_dir={tmp_path / 'r'}"])
     assert _snapshot(tmp_path / "r") == before
