@@ -355,17 +355,17 @@ def config_to_dict(config: Config) -> dict:
 
 def config_from_dict(values: dict) -> Config:
     """Rebuild a Config from :func:`config_to_dict` output (e.g. a saved config.json)."""
-    flat = []
+    flat = flatten(values)
+    text = lambda v: "null" if v is None else ",".join(map(str, v)) if isinstance(v, list) else v  # noqa: E731
+    return apply_overrides(Config(), [f"{k}={text(v)}" for k, v in flat.items()])
 
-    def walk(d, prefix):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                flat.append(f"{prefix}{k}={'null' if v is None else ','.join(map(str, v)) if isinstance(v, list) else v}")
 
-    walk(values, "")
-    return apply_overrides(Config(), flat)
+def flatten(values: dict, prefix: str = "") -> dict:
+    """Nested dicts as one dict with dotted keys: {"actor": {"ppo_epochs": 1}} -> {"actor.ppo_epochs": 1}."""
+    out = {}
+    for k, v in values.items():
+        out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
+    return out
 
 
 def critic_epochs(config: Config) -> int:
@@ -406,14 +406,12 @@ def validate(config: Config) -> Config:
     for key, value, valid in choices:
         _require(value in valid, f"{key}={value!r} is not one of {', '.join(valid)}")
     ADV_ESTIMATORS.get(alg.adv_estimator)  # raises on an unknown estimator
-    for key in _leaf_keys(config):
-        spec = RANGES.get(key)
+    for key, spec in RANGES.items():
         value = get_value(config, key)
         for item in value if isinstance(value, tuple) else (value,):
-            _require(
-                spec is None or item is None or in_range(item, spec),
-                f"{key}={item} is outside its valid range {spec}" + (" (or null)" if _optional(config, key) else ""),
-            )
+            if item is not None and not in_range(item, spec):
+                null = " (or null)" if _optional(config, key) else ""
+                raise ValueError(f"{key}={item} is outside its valid range {spec}{null}")
     _require(
         t.critic_warmup < t.total_training_steps,
         f"trainer.critic_warmup={t.critic_warmup} must be < trainer.total_training_steps={t.total_training_steps}: "

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.config import Config, config_to_dict
+from refppo.config import Config, config_to_dict, flatten
 
 STATE_FILE = "trainer_state.pt"  # a checkpoint's one file: PPOTrainer.state_dict()
 
@@ -44,6 +44,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _config_json(config: Config) -> str:
+    return json.dumps(config_to_dict(config), indent=2)
+
+
 def holds_run(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a non-empty folder."""
     path = Path(path)
@@ -59,13 +63,6 @@ def check_free(path: str | os.PathLike) -> None:
             f"run folder {str(path)!r} already holds a run; pick a new trainer.output_dir "
             "or set trainer.resume=true to continue it"
         )
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in values.items():
-        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
-    return out
 
 
 @dataclass
@@ -116,14 +113,14 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     if not holds_run(path):
         return None
     try:
-        saved = _flat(json.loads((path / "config.json").read_text()))
+        saved = flatten(json.loads((path / "config.json").read_text()))
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot resume {str(path)!r}: its config.json is unreadable ({e})") from None
-    new = _flat(config_to_dict(config))
+    new = flatten(json.loads(_config_json(config)))  # through JSON, as saved: tuples become lists
     changed = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(set(saved) | set(new))
-        if k not in RESUMABLE_CHANGES and saved.get(k) != (list(new[k]) if isinstance(new.get(k), tuple) else new.get(k))
+        if k not in RESUMABLE_CHANGES and saved.get(k) != new.get(k)
     ]
     if changed:
         raise ValueError(
@@ -180,7 +177,7 @@ class RunFolder:
         if resume is None:
             check_free(self.path)
         (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(self.path / "config.json", json.dumps(config_to_dict(config), indent=2))
+        _atomic_write_text(self.path / "config.json", _config_json(config))
         self.metrics_path = self.path / "metrics.jsonl"
         self.tensorboard = None
         if resume is not None:
