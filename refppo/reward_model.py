@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from refppo.data import EpochSampler
 from refppo.models import value_head
+from refppo.optim import train_steps
 from refppo.rollout import build_batch, compute_scores, response_scores
 
 
@@ -59,26 +59,17 @@ def train_reward_model(
     if not comparisons:
         raise ValueError("no comparisons to train the reward model on")
     optimizer = torch.optim.AdamW(reward_model.parameters(), lr=lr)
-    sampler = EpochSampler(comparisons, batch_size, seed)
-    history = []
-    reward_model.train()
-    bar = tqdm(range(1, steps + 1), desc="rm", disable=not progress_bar)
-    for step in bar:
-        prompts, chosen, rejected = zip(*sampler.next_batch())
+
+    def step_loss(batch):
+        prompts, chosen, rejected = zip(*batch)
         # One forward pass over chosen and rejected together.
         scores = response_scores(reward_model, build_batch(tokenizer, prompts * 2, chosen + rejected))
         loss, acc = bradley_terry_loss(scores[:batch_size], scores[batch_size:])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reward_model.parameters(), 1.0)
-        optimizer.step()
-        metrics = {"rm/loss": loss.item(), "rm/accuracy": acc.item()}
-        history.append(metrics)
-        if log is not None:
-            log(step, metrics)
-        bar.set_postfix(loss=f"{metrics['rm/loss']:.3f}", acc=f"{metrics['rm/accuracy']:.2f}")
-    reward_model.eval()
-    return history
+        return loss, {"rm/loss": loss.detach(), "rm/accuracy": acc}
+
+    sampler = EpochSampler(comparisons, batch_size, seed)
+    shown = {"loss": ("rm/loss", ".3f"), "acc": ("rm/accuracy", ".2f")}
+    return train_steps(reward_model, optimizer, sampler, steps, step_loss, None, log, progress_bar, "rm", shown)
 
 
 @torch.no_grad()

@@ -7,9 +7,9 @@ mean log-prob of the response tokens (EOS included) that PPO later computes the 
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from refppo.losses import agg_loss
+from refppo.optim import train_steps
 from refppo.rollout import build_batch, response_log_probs
 from refppo.data import EpochSampler
 
@@ -60,22 +60,12 @@ def train_sft(
         raise ValueError("no SFT examples")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-    sampler = EpochSampler(examples, batch_size, seed)
-    history = []
-    model.train()
-    bar = tqdm(range(1, steps + 1), desc="sft", disable=not progress_bar)
-    for step in bar:
-        prompts, responses = zip(*sampler.next_batch())
+
+    def step_loss(batch):
+        prompts, responses = zip(*batch)
         loss = sft_loss(model, build_batch(tokenizer, prompts, responses))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        metrics = {"sft/loss": loss.item(), "sft/lr": schedule.get_last_lr()[0]}
-        schedule.step()
-        history.append(metrics)
-        if log is not None:
-            log(step, metrics)
-        bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
-    model.eval()
-    return history
+        return loss, {"sft/loss": loss.detach(), "sft/lr": schedule.get_last_lr()[0]}
+
+    sampler = EpochSampler(examples, batch_size, seed)
+    shown = {"loss": ("sft/loss", ".3f")}
+    return train_steps(model, optimizer, sampler, steps, step_loss, schedule, log, progress_bar, "sft", shown)
