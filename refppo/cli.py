@@ -1,4 +1,4 @@
-"""The ``refppo`` command: ``refppo sft|rm|ppo [section.key=value ...]``.
+"""The ``refppo`` command: ``refppo sft|rm|ppo [section.key=value ...]`` and ``refppo plot``.
 
 Each command writes a run folder (``trainer.output_dir``) with ``config.json``,
 ``metrics.jsonl`` and its model(s) saved with ``save_pretrained`` (the tokenizer beside them), so
@@ -7,6 +7,7 @@ the merged model, and ``<run>/actor_adapter`` holds the adapter alone). Examples
 
     refppo sft trainer.output_dir=runs/sft
     refppo ppo model.path=runs/sft/model trainer.output_dir=runs/ppo
+    refppo plot runs/ppo runs/grpo -m val/score -m response_length/mean -o curves.png
 """
 
 from __future__ import annotations
@@ -148,12 +149,46 @@ def run_ppo(config: Config, make_run) -> None:
     _save_model(actor, tokenizer, run.path / "actor")
 
 
+def run_plot(argv: list[str]) -> int:
+    """``refppo plot RUN [RUN ...] -m METRIC [-m ...] -o FILE``: runs' metrics side by side."""
+    import argparse
+
+    from refppo.plots import XS, plot_runs
+
+    parser = argparse.ArgumentParser(
+        prog="refppo plot",
+        description="Plot metrics of several run folders side by side, one panel per metric. "
+        "A run is PATH or LABEL=PATH[,PATH...] (several paths: seeds of one setting, drawn as their mean "
+        "with a min-max band).",
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN")
+    parser.add_argument("-m", "--metric", action="append", required=True, help="a metric key, e.g. val/score (repeat for more panels)")
+    parser.add_argument("-o", "--out", required=True, help="the image to write (.png, .pdf, .svg)")
+    parser.add_argument("--x", choices=XS, default="step", help="step, or seconds spent in training steps")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over this many logged points")
+    parser.add_argument("--force", action="store_true", help="replace an existing output file")
+    args = parser.parse_args(argv)
+    runs = {}
+    for spec in args.runs:
+        label, sep, paths = spec.partition("=")
+        folders = paths.split(",") if sep else [spec]
+        runs[label if sep else Path(spec).name or spec] = folders
+    if os.path.exists(args.out) and not args.force:
+        raise ValueError(f"{args.out} exists; pass --force to replace it")
+    fig = plot_runs(runs, args.metric, x=args.x, smooth=args.smooth)  # every check before the write
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``refppo sft|rm|ppo [key=value ...]``."""
+    """Entry point: ``refppo sft|rm|ppo [key=value ...]`` or ``refppo plot RUN ... -m KEY -o FILE``."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "plot":
+        return run_plot(argv[1:])
     if not argv or argv[0] not in COMMANDS:
         print(__doc__, file=sys.stderr)
-        print(f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]", file=sys.stderr)
+        print(f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]\n       refppo plot RUN [RUN ...] -m METRIC -o FILE", file=sys.stderr)
         return 2
     command, overrides = argv[0], argv[1:]
     config = Config()

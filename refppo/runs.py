@@ -143,21 +143,27 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     )
 
 
-def _metrics_until(path: Path, step: int, notes: list[str]) -> list[str]:
-    """The log's lines up to ``step``; a torn last line is dropped (noted), other damage refused."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    kept = []
+def _read_log(file: Path) -> tuple[list[tuple[str, dict]], bool]:
+    """A metrics log's (line, record) pairs, and whether a torn last line (a kill mid-write)
+    was left out; damage anywhere else is refused by file and line."""
+    lines = file.read_text().splitlines() if file.exists() else []
+    pairs = []
     for n, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            pairs.append((line, json.loads(line)))
         except ValueError:
-            if n == len(lines):
-                notes.append(f"the torn last line of {path.name} was dropped")
-                break
-            raise ValueError(f"cannot resume: {path}:{n} is not a JSON line") from None
-        if record["step"] <= step:
-            kept.append(line + "\n")
-    return kept
+            if n < len(lines):
+                raise ValueError(f"{file}:{n} is not a JSON line") from None
+            return pairs, True
+    return pairs, False
+
+
+def _metrics_until(path: Path, step: int, notes: list[str]) -> list[str]:
+    """The log's lines up to ``step``; a torn last line is dropped (noted), other damage refused."""
+    pairs, torn = _read_log(path)
+    if torn:
+        notes.append(f"the torn last line of {path.name} was dropped")
+    return [line + "\n" for line, record in pairs if record["step"] <= step]
 
 
 class RunFolder:
@@ -246,11 +252,21 @@ class RunFolder:
         return final
 
 
+def load_metrics(path: str | os.PathLike) -> list[dict]:
+    """A run folder's (or a ``metrics.jsonl`` file's) per-step metric dicts. A run still writing
+    may have a torn last line: it is left out; damage anywhere else is refused by file and line."""
+    path = Path(path)
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a run folder: it has no metrics.jsonl")
+    return [record for _, record in _read_log(file)[0]]
+
+
 def summary(path: str | os.PathLike) -> str:
     """A few lines on a finished run, from its folder: the steps, the held-out score (first,
     last, best), the last losses and KLs, the time and where the files are."""
     path = Path(path)
-    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    rows = load_metrics(path)
     lines = [f"run {path}: {rows[-1]['step'] if rows else 0} steps"]
     val = [(r["step"], r["val/score"]) for r in rows if r.get("val/score") is not None]
     if val:
