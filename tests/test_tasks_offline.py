@@ -52,6 +52,14 @@ def test_gold_score_worked_examples():
     assert preference.gold_reward(["abc:"], ["abcab"], [{}]).tolist() == [1.0]
 
 
+def test_prompt_letters_reward_worked_examples():
+    prompts = ["abc:"] * 5
+    responses = ["cab", " a ", "abd", "", "abcabcabca"]
+    assert preference.prompt_letters_reward(prompts, responses, [{}] * 5).tolist() == [1.0, 1.0, 0.0, 0.0, 1.0]
+    # the colon closes the prompt: it is not one of the prompt's letters
+    assert preference.prompt_letters_reward(["abc:"], ["a:"], [{}]).tolist() == [0.0]
+
+
 def test_comparisons_follow_bradley_terry():
     noise = 0.2
     pairs = preference.make_comparisons(4000, seed=0, noise=noise)

@@ -41,6 +41,17 @@ def gold_reward(prompts: list[str], responses: list[str], records: list[dict]) -
     return torch.tensor([gold_score(p, r.strip()) for p, r in zip(prompts, responses)])
 
 
+def prompt_letters_reward(prompts: list[str], responses: list[str], records: list[dict]) -> torch.Tensor:
+    """A verifiable reward on the same prompts (ch 7): 1.0 when every letter of the response is
+    one of its prompt's three, else 0.0 (an empty response scores 0). Under the SFT distribution a
+    response of length L earns it with probability (3/8)^L, so long responses are mostly wrong.
+
+    Returns:
+        (B,) float32 scores.
+    """
+    return torch.tensor([float(bool(r.strip()) and all(c in p[:-1] for c in r.strip())) for p, r in zip(prompts, responses)])
+
+
 def make_sft_examples(n: int, seed: int) -> list[tuple[str, str]]:
     """(prompt, response) pairs from the SFT distribution."""
     rng = random.Random(seed)
