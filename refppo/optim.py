@@ -1,4 +1,5 @@
-"""Optimisation: AdamW with a warm-up and an optional cosine schedule, one per trained model, and\nthe plain training loop of SFT and the reward model."""
+"""Optimisation: AdamW with a warm-up and an optional cosine schedule, one per trained model, and
+the plain training loop of SFT and the reward model."""
 
 from __future__ import annotations
 

@@ -18,6 +18,23 @@ History = list[dict]
 XS = ("step", "time")  # time: seconds spent in training steps so far (sum of timing_s/step)
 
 
+def _points(history: History, key: str, x: str, smooth: int) -> tuple[list[int], list[float], list[float]]:
+    """The steps that logged ``key``, their x values and the (smoothed) values: one pass."""
+    if x not in XS:
+        raise ValueError(f"x must be one of {XS}, got {x!r}")
+    if smooth < 1:
+        raise ValueError(f"smooth must be >= 1, got {smooth}")
+    steps, xs, ys, clock = [], [], [], 0.0
+    for row in history:
+        clock += row.get("timing_s/step") or 0.0
+        if row.get(key) is not None:
+            steps.append(row["step"])
+            xs.append(row["step"] if x == "step" else clock)
+            ys.append(row[key])
+    windows = [ys[max(0, i - smooth + 1) : i + 1] for i in range(len(ys))]
+    return steps, xs, [sum(w) / len(w) for w in windows]
+
+
 def series(history: History, key: str, x: str = "step", smooth: int = 1) -> tuple[list[float], list[float]]:
     """The (x, y) points of one metric in one run, at the steps that logged it.
 
@@ -30,18 +47,7 @@ def series(history: History, key: str, x: str = "step", smooth: int = 1) -> tupl
     Returns:
         xs, ys: equal-length lists (empty when the run never logged ``key``).
     """
-    if x not in XS:
-        raise ValueError(f"x must be one of {XS}, got {x!r}")
-    if smooth < 1:
-        raise ValueError(f"smooth must be >= 1, got {smooth}")
-    xs, ys, clock = [], [], 0.0
-    for row in history:
-        clock += row.get("timing_s/step") or 0.0
-        if row.get(key) is not None:
-            xs.append(row["step"] if x == "step" else clock)
-            ys.append(row[key])
-    ys = [sum(ys[max(0, i - smooth + 1) : i + 1]) / len(ys[max(0, i - smooth + 1) : i + 1]) for i in range(len(ys))]
-    return xs, ys
+    return _points(history, key, x, smooth)[1:]
 
 
 def group_curve(histories: Sequence[History], key: str, x: str = "step", smooth: int = 1):
@@ -55,7 +61,10 @@ def group_curve(histories: Sequence[History], key: str, x: str = "step", smooth:
     """
     if not histories:
         raise ValueError("group_curve needs at least one run")
-    per_run = [dict(zip(series(h, key)[0], zip(*series(h, key, x, smooth)))) for h in histories]
+    per_run = []
+    for h in histories:
+        steps, xs, ys = _points(h, key, x, smooth)
+        per_run.append(dict(zip(steps, zip(xs, ys))))
     steps = sorted(set.intersection(*(set(r) for r in per_run)))
     xs = [sum(r[s][0] for r in per_run) / len(per_run) for s in steps]
     ys = [[r[s][1] for r in per_run] for s in steps]
