@@ -435,6 +435,13 @@ class PPOTrainer:
             out["critic/values/mean"] = masked_mean(batch["values"], mask)
             residual_var = masked_var(batch["returns"] - batch["values"], mask)
             out["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(batch["returns"], mask) + 1e-5)
+        if self.config.actor.policy_mode != "bypass":
+            # verl's debug metric: the sampler's token probabilities against the trainer's own
+            # recomputation; far from 0 when the two disagree (e.g. a different temperature)
+            diff = (batch["old_log_probs"].exp() - batch["rollout_log_probs"].exp()).abs()
+            out["training/rollout_probs_diff_mean"] = masked_mean(diff, mask)
+            out["training/rollout_probs_diff_max"] = diff.masked_fill(mask == 0, 0.0).max()
+            out["training/rollout_probs_diff_std"] = masked_var(diff, mask).sqrt()
         out["response_length/mean"] = length.mean()
         out["response_length/clip_ratio"] = (length == self.config.data.max_response_length).float().mean()
         keys = sorted({k for m in per_mini for k in m})

@@ -31,9 +31,12 @@ def ref_gae(rewards, values, mask, gamma, lam):
 
 
 def ref_whiten(x, mask):
+    """verl's masked_whiten: its masked means divide by count + 1e-8, which matters when the
+    valid values nearly agree (variance near the 1e-8 under the square root)."""
     xs = [v for row, mrow in zip(x, mask) for v, m in zip(row, mrow) if m == 1]
-    mean = sum(xs) / len(xs)
-    var = sum((v - mean) ** 2 for v in xs) / (len(xs) - 1)
+    n = len(xs)
+    mean = sum(xs) / (n + 1e-8)
+    var = sum((v - mean) ** 2 for v in xs) / (n + 1e-8) * n / (n - 1)
     return [[(v - mean) / math.sqrt(var + 1e-8) for v in row] for row in x]
 
 

@@ -331,8 +331,30 @@ def test_logged_means_match_their_formulas():
         "response_length/mean": mask.sum(-1).mean().item(),
         "response_length/clip_ratio": (mask.sum(-1) == 3).float().mean().item(),
     }
+
     for key, value in expected.items():
         assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "bypass"])
+def test_rollout_probs_diff_is_verls_debug_metric(mode):
+    trainer = make_trainer([*BATCH, "data.max_response_length=3", f"actor.policy_mode={mode}"])
+    batches, _ = capture(trainer)
+    m = trainer.train_step()
+    if mode == "bypass":  # old log-probs are the rollout's: nothing to compare
+        assert not any(k.startswith("training/rollout_probs_diff") for k in m)
+        return
+    b = dict(batches[-1])
+    mask = b["response_mask"].bool()
+    # a sampler that disagrees with the trainer (as at a wrong temperature), 0 after the response
+    b["old_log_probs"] = (b["rollout_log_probs"] + 0.5 * torch.randn_like(b["rollout_log_probs"])).clamp(max=0) * mask
+    logged = trainer._gather(b, {}, [])
+    diff = (b["old_log_probs"].double().exp() - b["rollout_log_probs"].double().exp()).abs()[mask]
+    expected = {"mean": diff.mean().item(), "max": diff.max().item(), "std": diff.std().item()}  # torch.std: unbiased
+    assert expected["mean"] > 1e-3
+    for key, value in expected.items():
+        assert logged[f"training/rollout_probs_diff_{key}"] == pytest.approx(value, rel=1e-5), key
+    assert m["training/rollout_probs_diff_max"] < 1e-4, "the trainer's own recomputation agrees with the sampler"
 
 
 def test_kl_in_the_reward_reaches_the_critic_target_and_the_advantages_only():

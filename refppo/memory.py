@@ -1,0 +1,178 @@
+"""Memory of a PPO run (appendix A, note 004.14): arithmetic for any model size, and a meter.
+
+The arithmetic counts bytes per parameter for what a network holds between steps (weights,
+gradients, optimiser state) and bytes per token for what a training forward pass keeps for the
+backward pass (activations). :func:`held_bytes` counts the same quantities from a live model and
+optimiser, and :class:`PeakMeter` measures the peak of the tensors a block of code allocates,
+on any device, so the arithmetic can be checked on a tiny model.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# Bytes per parameter of a trained network with AdamW: (weights, gradients, optimiser state).
+# fp32: 4 + 4 + two fp32 moments. Mixed precision computes with bf16 weights and gradients and
+# keeps an fp32 master copy beside the two moments: 2 + 2 + 12. Both total 16.
+TRAINED_BYTES = {"fp32": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
+FROZEN_BYTES = {"fp32": 4, "bf16-mixed": 2}  # a frozen network (reference, reward model): weights only
+
+
+def param_count(config, value_head: bool = False) -> int:
+    """Parameters of a ``transformers`` model built from ``config``, counted without memory.
+
+    Args:
+        config: a ``PretrainedConfig`` (e.g. ``Qwen2Config(hidden_size=3584, ...)``).
+        value_head: count the critic / reward model (a one-output head in place of the vocabulary
+            head, as ``refppo.models.load_value_model`` builds it) instead of the causal LM.
+
+    Returns:
+        The number of parameters (the model is built on the meta device: no weights allocated).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    config = copy.deepcopy(config)
+    if value_head:
+        config.num_labels = 1
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def state_bytes(n_params: int, trained: bool = True, precision: str = "bf16-mixed") -> dict[str, int]:
+    """What a network holds between steps, in bytes.
+
+    Args:
+        n_params: its parameter count.
+        trained: trained with AdamW (weights, gradients, two moments) or frozen (weights only).
+        precision: "fp32" or "bf16-mixed" (bf16 compute, fp32 master weights and moments).
+
+    Returns:
+        ``{"weights", "gradients", "optimizer"}`` in bytes (gradients exist during the update;
+        the optimiser entry includes the fp32 master weights under mixed precision).
+    """
+    if precision not in TRAINED_BYTES:
+        raise ValueError(f"precision={precision!r}; valid: {', '.join(TRAINED_BYTES)}")
+    if not trained:
+        return {"weights": n_params * FROZEN_BYTES[precision], "gradients": 0, "optimizer": 0}
+    weights, grads, optimizer = TRAINED_BYTES[precision]
+    return {"weights": n_params * weights, "gradients": n_params * grads, "optimizer": n_params * optimizer}
+
+
+def activation_values_per_token(config) -> int:
+    """Values a Llama/Qwen2 decoder (``transformers``, SDPA attention) saves for the backward
+    pass per token of a training forward, the vocabulary logits aside.
+
+    Per layer, as autograd saves them: each RMSNorm keeps its input, the inverse RMS (one value),
+    the normalised input and its output (3h + 1, twice); attention keeps q (h), k and v (one
+    key-value width each), its output (h) and a log-sum-exp per head; the SwiGLU MLP keeps the
+    gate, its SiLU, the up projection and their product (4 x intermediate). The final RMSNorm
+    adds 3h + 1. Besides these, a micro-batch keeps the rotary tables (cos and sin: 2 x sequence
+    length x head_dim values, shared by its rows). Activation checkpointing keeps far less and
+    recomputes the rest in the backward pass.
+
+    Args:
+        config: a Llama- or Qwen2-style ``PretrainedConfig``.
+
+    Returns:
+        Values per token (multiply by tokens and bytes per value).
+    """
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = config.num_key_value_heads * head_dim
+    per_layer = 2 * (3 * h + 1) + h + 2 * kv + h + heads + 4 * i
+    return layers * per_layer + 3 * h + 1
+
+
+def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: int = 2) -> int:
+    """Bytes a training forward pass keeps for the backward pass.
+
+    Args:
+        config: a Llama- or Qwen2-style ``PretrainedConfig``.
+        tokens: tokens in the micro-batch (rows x sequence length, prompts included).
+        logit_tokens: positions whose vocabulary logits are computed (the response tokens and
+            the position before them).
+        bytes_per_value: 2 for bf16, 4 for fp32.
+
+    Returns:
+        Bytes: the decoder's activations plus one float32 vocabulary row per logit position
+        (the log-softmax works in float32).
+    """
+    return tokens * activation_values_per_token(config) * bytes_per_value + logit_tokens * config.vocab_size * 4
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """What a live network holds, counted from its tensors (compare :func:`state_bytes`).
+
+    Args:
+        model: the network.
+        optimizer: its optimiser, after at least one step (Adam creates its state lazily).
+
+    Returns:
+        ``{"weights", "gradients", "optimizer"}`` in bytes: every parameter; one gradient of its
+        parameter's size for each trained one (freed between steps by ``zero_grad``); the
+        optimiser's state tensors (Adam's step counters, scalars, aside).
+    """
+    params = list(model.parameters())
+    state = optimizer.state.values() if optimizer is not None else []
+    return {
+        "weights": _tensor_bytes(params),
+        "gradients": _tensor_bytes(p for p in params if p.requires_grad),
+        "optimizer": sum(_tensor_bytes(v for v in s.values() if torch.is_tensor(v) and v.dim() > 0) for s in state),
+    }
+
+
+class PeakMeter(TorchDispatchMode):
+    """Measures the bytes of tensors allocated inside a ``with`` block: now and at the peak.
+
+    Every tensor an operation returns is counted once per storage until that storage is freed,
+    on any device (CPU included, where ``torch.cuda.max_memory_allocated`` has no equivalent).
+    Tensors that existed before the block (weights, optimiser state) are not counted.
+
+    Example::
+
+        with PeakMeter() as meter:
+            loss = model(**batch).logits.sum()
+            loss.backward()
+        meter.peak  # bytes
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}  # storage address -> bytes
+        self.now = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def _count(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        # a view or in-place result shares an input's storage: new memory only if nothing held it
+        if key in self.live or key in inputs or storage.nbytes() == 0:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t, inputs)
+        return out

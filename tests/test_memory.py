@@ -1,0 +1,98 @@
+"""refppo.memory: the bytes-per-parameter and bytes-per-token arithmetic against measured tensors."""
+
+import pytest
+import torch
+
+from refppo.memory import PeakMeter, activation_bytes, held_bytes, param_count, state_bytes
+from refppo.models import load_causal_lm, load_value_model, tiny_config
+from refppo.rollout import build_batch, response_log_probs
+from refppo.tasks.tokenizer import build_tokenizer
+
+TOK = build_tokenizer()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_param_count_is_the_built_models(arch):
+    config = tiny_config(TOK, arch=arch, hidden_size=48, num_hidden_layers=3)
+    labels = config.num_labels
+    assert param_count(config, value_head=True) == sum(p.numel() for p in load_value_model(config, TOK).parameters())
+    assert config.num_labels == labels, "the caller's config is untouched"
+    assert param_count(config) == sum(p.numel() for p in load_causal_lm(config, TOK).parameters())
+    assert param_count(config) > param_count(config, value_head=True), "a one-output head replaces the vocabulary head"
+
+
+def test_state_bytes_per_parameter():
+    for precision in ("fp32", "bf16-mixed"):
+        trained = state_bytes(1000, precision=precision)
+        assert sum(trained.values()) == 16 * 1000, precision  # the classic 16 bytes per trained parameter
+    assert state_bytes(1000, precision="bf16-mixed") == {"weights": 2000, "gradients": 2000, "optimizer": 12000}
+    assert state_bytes(1000, trained=False) == {"weights": 2000, "gradients": 0, "optimizer": 0}
+    assert state_bytes(1000, trained=False, precision="fp32")["weights"] == 4000
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        state_bytes(1000, precision="fp16")
+
+
+def test_held_bytes_of_a_trained_model_match_the_fp32_arithmetic():
+    config = tiny_config(TOK, hidden_size=32)
+    model = load_causal_lm(config, TOK)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    optimizer.step()
+    n = sum(p.numel() for p in model.parameters())
+    assert held_bytes(model, optimizer) == state_bytes(n, precision="fp32")
+    assert held_bytes(model) == {"weights": 4 * n, "gradients": 4 * n, "optimizer": 0}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert held_bytes(model)["gradients"] == 0
+
+
+def test_peak_meter_counts_new_storages_once_and_frees_them():
+    base = torch.ones(1000)
+    with PeakMeter() as meter:
+        a = torch.empty(1000)  # 4000 bytes
+        view, _ = a[:10], base[:10]  # views: no new memory (of a tracked or of an outside tensor)
+        base.add_(1)  # in place on an outside tensor: nothing new
+        b = a * 2  # 4000 more
+        assert meter.now == 8000
+        del b
+        assert meter.now == 4000
+        c = torch.empty(250, dtype=torch.float64)  # 2000
+    assert (meter.now, meter.peak) == (6000, 8000)
+    del a, view, c
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch):
+    config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=3)
+    model = load_causal_lm(config, TOK)
+    ids = torch.randint(4, len(TOK), (4, 10))
+    with PeakMeter() as meter:
+        logits = model(input_ids=ids, use_cache=False).logits
+        kept = meter.now - logits.numel() * logits.element_size()  # the output is not an activation
+        del logits
+    expected = activation_bytes(config, tokens=ids.numel(), logit_tokens=0, bytes_per_value=4)
+    rotary = 2 * ids.shape[1] * (config.hidden_size // config.num_attention_heads) * 4  # cos and sin, shared by the rows
+    assert kept == expected + rotary
+
+
+def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradients():
+    config = tiny_config(TOK, hidden_size=64)
+    model = load_causal_lm(config, TOK)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = build_batch(TOK, [f"{i}+{2 * i}=" for i in range(8)], [str(3 * i) for i in range(8)])
+
+    def update():
+        log_probs, _ = response_log_probs(model, batch)
+        (-log_probs.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    update()  # Adam's state exists from here on, as between the steps of a run
+    with PeakMeter() as meter:
+        update()
+    rows, width = batch["responses"].shape
+    act = activation_bytes(config, tokens=batch["input_ids"].numel(), logit_tokens=rows * (width + 1), bytes_per_value=4)
+    grads = held_bytes(model)["gradients"]
+    # the backward pass frees activations while it creates gradients: the peak has all of one and part of the other
+    assert act < meter.peak < act + grads, (meter.peak, act, grads)
+    assert meter.now == 0, "nothing allocated in the update outlives it"
