@@ -1,37 +1,66 @@
 """One whole PPO step (generate, score, reference / old log-probs, values, GAE, critic and actor
-updates) on fixed workloads: seconds per step, tokens per second and peak memory.
+updates) on fixed workloads, refppo side by side with TRL's PPO trainer: seconds per step,
+tokens per second, peak memory, and the ratio.
 
-Every response runs to the full length (``rollout.ignore_eos``), so the token count of a step
-is fixed and two implementations can be compared token for token. The four models are
-separate: actor, critic and reward model with fresh random weights from a config, the
-reference a frozen copy of the actor; KL in the reward (k1, beta 0.001); one response per prompt.
+Every response runs to the full length (refppo's ``rollout.ignore_eos``; TRL without a stop
+token), so the token count of a step is fixed and the two are compared token for token. Both get
+the same models: actor, critic and reward model with fresh random weights from one seed, the
+reference a frozen copy of the actor; KL in the reward (k1, beta 0.001); one response per prompt;
+one optimiser step per mini-batch. TRL is ``trl==0.29.1`` (``pip install -e ".[bench]"``), whose
+``trl.experimental.ppo.PPOTrainer`` is its maintained PPO implementation.
+
+The two do not compute the same things, and the difference is part of what is measured: TRL
+keeps the logits of every sampling step and takes the old log-probs from them (verl calls this
+``bypass``), where refppo recomputes them in a forward pass (``actor.policy_mode=decoupled``,
+verl's default); TRL updates actor and critic with one optimiser on a summed loss, refppo with
+two; TRL also computes each micro-batch's entropy for its logs. ``actor.policy_mode=bypass`` runs
+refppo the way TRL does.
+
+Each side runs in a fresh process (its own peak memory), alternating for ``--rounds`` rounds;
+a round is one warm-up step and ``--steps`` timed steps. The summary line per workload gives each
+side's median over all its timed steps and ``speedup`` = TRL's median / refppo's.
 
 Workloads (issue 15):
 
 - W1: Llama, hidden 128, 4 layers, vocab 512; 16 prompts x (16 + 32) tokens; 1 epoch, 1 mini-batch.
 - W2: Llama, hidden 256, 4 layers, vocab 2048; 32 x (16 + 64); 2 epochs, 2 mini-batches.
-- W3: Qwen2.5-0.5B's shape (random weights); 64 x (256 + 256); 1 epoch, 1 mini-batch; CUDA.
-- Q: verl's quickstart shape: Qwen2.5-0.5B, 256 x (512 + 512), 1 epoch, 4 mini-batches; CUDA.
+- W3: Qwen2.5-0.5B's shape (random weights); 64 x (256 + 256); 1 epoch, 1 mini-batch,
+  micro-batches of 16; CUDA.
+- Q: verl's quickstart shape: Qwen2.5-0.5B, 256 x (512 + 512), 1 epoch, 4 mini-batches,
+  micro-batches of 8; CUDA; refppo only (TRL's gradient accumulation spans the whole batch, so it
+  cannot step once per mini-batch in micro-batches).
 
-On CUDA the weights and optimisers are float32 and forward passes autocast to bf16.
+On CUDA the weights and optimisers are float32 and forward passes autocast to bf16 (TRL's whole
+loop included). Peak memory: CUDA, the peak allocated; CPU, the process's peak resident set.
 
-Usage: python benchmarks/bench_ppo_step.py [--workloads W1,W2] [--steps 5] [--device cpu|cuda]
-       [--json out.json] [key=value ...]   (config overrides, e.g. rollout.cuda_graphs=true)
+Usage: python benchmarks/bench_ppo_step.py [--workloads W1,W2] [--impls refppo,trl] [--rounds 3]
+       [--steps 5] [--threads N] [--device cpu|cuda] [--json out.json]
+       [key=value ...]   (refppo config overrides, e.g. actor.policy_mode=bypass)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import io
 import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import warnings
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from refppo.config import Config, apply_overrides, validate
-from refppo.models import freeze, load_causal_lm, load_value_model, tiny_config
+from refppo.models import freeze, load_causal_lm, load_value_model, make_reference, tiny_config
 from refppo.trainer import PPOTrainer
 
 QWEN_05B = dict(
@@ -58,16 +87,29 @@ def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build(name: str, device: str, seed: int = 0, extra: tuple[str, ...] = ()) -> PPOTrainer:
-    """A PPOTrainer for workload ``name`` with random prompts of exactly ``prompt_len`` tokens."""
+def shared_models(name: str, device: str, seed: int = 0) -> dict:
+    """Everything both implementations share for workload ``name``: the tokenizer, the actor,
+    critic and reward model (same seed, so the same weights) and 4 batches of random prompts of
+    exactly ``prompt_len`` tokens, as token ids (prompts * 4, prompt_len)."""
     w = WORKLOADS[name]
     spec = dict(w["model"])
     vocab, arch = spec.pop("vocab"), spec.pop("arch")
     tok = word_tokenizer(vocab)
     size = {k: spec.pop(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
     spec.setdefault("intermediate_size", 4 * size["hidden_size"])
-    length = w["prompt_len"] + w["response_len"]
-    model_config = tiny_config(tok, arch, **size, max_position_embeddings=length, **spec)
+    model_config = tiny_config(tok, arch, **size, max_position_embeddings=w["prompt_len"] + w["response_len"], **spec)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (w["prompts"] * 4, w["prompt_len"]), generator=g)
+    torch.manual_seed(seed)
+    actor = load_causal_lm(model_config, device=device)
+    critic = load_value_model(model_config, device=device)
+    reward_model = freeze(load_value_model(model_config, device=device))
+    return dict(tokenizer=tok, actor=actor, critic=critic, reward_model=reward_model, ids=ids)
+
+
+def build(name: str, device: str, seed: int = 0, extra: tuple[str, ...] = ()) -> PPOTrainer:
+    """refppo's PPOTrainer for workload ``name`` (KL in the reward, k1, beta 0.001)."""
+    w = WORKLOADS[name]
     micro = w.get("micro")
     overrides = [
         f"data.train_batch_size={w['prompts']}", f"data.max_prompt_length={w['prompt_len']}",
@@ -79,67 +121,193 @@ def build(name: str, device: str, seed: int = 0, extra: tuple[str, ...] = ()) ->
            f"reward_model.micro_batch_size_per_gpu={micro}"] if micro else []),
     ]  # fmt: skip
     config = validate(apply_overrides(Config(), overrides))
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (w["prompts"] * 4, w["prompt_len"]), generator=g)
-    records = [{"prompt": " ".join(f"w{i}" for i in row)} for row in ids.tolist()]
-    torch.manual_seed(seed)
-    actor = load_causal_lm(model_config, device=device)
-    critic = load_value_model(model_config, device=device)
-    reward_model = freeze(load_value_model(model_config, device=device))
-    return PPOTrainer(config, tok, actor, critic, records, records[:1], reward_model=reward_model)
+    m = shared_models(name, device, seed)
+    records = [{"prompt": " ".join(f"w{i}" for i in row)} for row in m["ids"].tolist()]
+    return PPOTrainer(
+        config, m["tokenizer"], m["actor"], m["critic"], records, records[:1], reward_model=m["reward_model"]
+    )
 
 
-def measure(name: str, device: str, steps: int, extra: tuple[str, ...] = ()) -> dict:
-    """Median seconds per step over ``steps`` steps after one warm-up step (timed apart: it
-    holds the compilation when ``rollout.cuda_graphs=true``)."""
+def time_refppo(name: str, device: str, steps: int, extra: tuple[str, ...] = ()) -> dict:
+    """refppo: seconds of the warm-up step and of ``steps`` more, and the median phase times."""
     trainer = build(name, device, extra=extra)
-    start = time.perf_counter()
-    trainer.train_step()  # warm-up: allocator, kernels, optimiser state, compilation
-    warmup = time.perf_counter() - start
     times, metrics = [], []
-    for _ in range(steps):
+    for _ in range(steps + 1):
         start = time.perf_counter()
         m = trainer.train_step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         metrics.append(m)
-    w = WORKLOADS[name]
-    tokens = w["prompts"] * (w["prompt_len"] + w["response_len"])
-    phases = {k.removeprefix("timing_s/"): statistics.median(m[k] for m in metrics) for k in metrics[0] if k.startswith("timing_s/")}
-    return {
-        "workload": name,
-        "device": device,
-        "overrides": list(extra),
-        "warmup_step_s": warmup,
-        "step_s": statistics.median(times),
-        "step_s_all": times,
-        "tokens_per_s": tokens / statistics.median(times),
-        "generated_tokens_per_s": w["prompts"] * w["response_len"] / phases["gen"],
-        "peak_memory_gb": max(m["perf/max_memory_allocated_gb"] for m in metrics),
-        "phases_s": phases,
+    phases = {
+        k.removeprefix("timing_s/"): statistics.median(m[k] for m in metrics[1:])
+        for k in metrics[0]
+        if k.startswith("timing_s/")
     }
+    return {"warmup_step_s": times[0], "step_s_all": times[1:], "phases_s": phases}
+
+
+def trl_sizes(name: str) -> dict:
+    """TRL's batch arguments for the same updates as refppo: rows per forward pass, one optimiser
+    step per mini-batch. TRL accumulates gradients over ``gradient_accumulation_steps`` micro-
+    batches *of the whole batch* (its batch is per-device size x accumulation), so with several
+    mini-batches each mini-batch must be one forward pass."""
+    w = WORKLOADS[name]
+    mini = w["prompts"] // w["minis"]
+    micro = w.get("micro", mini)
+    if w["minis"] > 1 and micro != mini:
+        raise ValueError(
+            f"{name}: TRL cannot step once per mini-batch of {mini} rows in micro-batches of {micro} "
+            "(its gradient accumulation spans the whole batch); compare W1, W2, W3"
+        )
+    per_device = w["prompts"] if w["minis"] > 1 else micro
+    return dict(
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=w["prompts"] // per_device,
+        num_mini_batches=w["minis"],
+        local_rollout_forward_batch_size=micro,
+    )
+
+
+def time_trl(name: str, device: str, steps: int) -> dict:
+    """TRL 0.29.1's PPO trainer on the same models, prompts and sizes: seconds per step from its
+    step-end callbacks. Responses run to the full length (no stop token), KL in the reward (k1,
+    the same coefficient), the reference a frozen copy of the actor, no gradient checkpointing.
+    On CUDA its whole loop runs under bf16 autocast, as refppo's forward passes do (TRL's own
+    ``bf16`` flag leaves generation in float32)."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    import datasets
+    import transformers
+    from transformers import PrinterCallback, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer as TRLPPOTrainer
+
+    transformers.logging.set_verbosity_error()  # deprecation notes from TRL's calls into transformers
+
+    w = WORKLOADS[name]
+    ref_config = Config()
+    m = shared_models(name, device)
+    times = [time.perf_counter()]
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+    train = datasets.Dataset.from_dict({"input_ids": m["ids"].tolist()})
+    precision = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as out, precision, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' FutureWarnings, and var() of one value in TRL's logs
+        args = PPOConfig(
+            output_dir=out, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=10**9,
+            num_sample_generations=0, seed=0, total_episodes=w["prompts"] * (steps + 1),
+            response_length=w["response_len"], stop_token=None, temperature=ref_config.rollout.temperature,
+            kl_coef=ref_config.algorithm.kl_ctrl.kl_coef, kl_estimator="k1", num_ppo_epochs=w["epochs"],
+            learning_rate=ref_config.actor.optim.lr, use_cpu=device == "cpu", **trl_sizes(name),
+            gradient_checkpointing=False, bf16=device == "cuda",  # TRL's defaults are True; refppo's off
+        )  # fmt: skip
+        trainer = TRLPPOTrainer(
+            args, m["tokenizer"], m["actor"], make_reference(m["actor"]), m["reward_model"], train,
+            m["critic"], eval_dataset=train.select(range(1)), callbacks=[StepTimes()],
+        )  # fmt: skip
+        trainer.remove_callback(PrinterCallback)  # it prints every step's metrics
+        times[0] = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):  # its "===training policy===" banner
+            trainer.train()
+    steps_s = [b - a for a, b in zip(times, times[1:])]
+    return {"warmup_step_s": steps_s[0], "step_s_all": steps_s[1:], "phases_s": {}}
+
+
+def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...]) -> dict:
+    """One implementation on one workload in this process, with its peak memory: CUDA, the
+    peak allocated (weights included); CPU, the process's peak resident set."""
+    torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    r = time_refppo(name, device, steps, extra) if impl == "refppo" else time_trl(name, device, steps)
+    w = WORKLOADS[name]
+    step = statistics.median(r["step_s_all"])
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "impl": impl, "workload": name, "device": device, "overrides": list(extra) if impl == "refppo" else [], **r, "step_s": step,
+        "tokens_per_s": w["prompts"] * (w["prompt_len"] + w["response_len"]) / step,
+        "generated_tokens_per_s": w["prompts"] * w["response_len"] / r["phases_s"]["gen"] if "gen" in r["phases_s"] else None,
+        "peak_memory_gb": peak / 2**30,
+    }  # fmt: skip
+
+
+def in_subprocess(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], threads: int | None) -> dict:
+    """``worker`` in a fresh Python process, so each side's peak memory is its own."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--worker", impl, "--workloads", name, "--device", device]
+        cmd += ["--steps", str(steps), "--json", f.name, *(["--threads", str(threads)] if threads else []), *extra]
+        subprocess.run(cmd, check=True)
+        return json.loads(Path(f.name).read_text())[0]
+
+
+def summary(results: list[dict]) -> list[dict]:
+    """Per workload: each implementation's median step over all its timed steps and rounds, the
+    ratio TRL / refppo (refppo's speed-up) per round and overall."""
+    rows = []
+    for name in dict.fromkeys(r["workload"] for r in results):
+        by = {i: [r for r in results if r["workload"] == name and r["impl"] == i] for i in ("refppo", "trl")}
+        med = {i: statistics.median(t for r in rs for t in r["step_s_all"]) for i, rs in by.items() if rs}
+        row = {"workload": name, **{f"{i}_step_s": v for i, v in med.items()}}
+        for i, rs in by.items():
+            if rs:
+                row[f"{i}_peak_memory_gb"] = max(r["peak_memory_gb"] for r in rs)
+        if len(med) == 2:
+            row["speedup"] = med["trl"] / med["refppo"]
+            row["speedup_per_round"] = [t["step_s"] / r["step_s"] for r, t in zip(by["refppo"], by["trl"])]
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W2")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--impls", default="refppo,trl", help="refppo, trl or both (trl needs .[bench])")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds, each side in a fresh process")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round, after one warm-up step")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. rollout.cuda_graphs=true")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
-    results = []
-    for name in args.workloads.split(","):
-        r = measure(name, args.device, args.steps, tuple(args.overrides))
-        results.append(r)
-        phases = "  ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
-        print(
-            f"{name} {args.device} {' '.join(args.overrides)}: {r['step_s']:.3f} s/step (min {min(r['step_s_all']):.3f}, max {max(r['step_s_all']):.3f}), "
-            f"{r['tokens_per_s']:.0f} tok/s, generation {r['generated_tokens_per_s']:.0f} tok/s, "
-            f"peak {r['peak_memory_gb']:.2f} GB, warm-up step {r['warmup_step_s']:.1f} s | {phases}",
-            flush=True,
-        )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    impls, names = args.impls.split(","), args.workloads.split(",")
+    if unknown := set(impls) - {"refppo", "trl"}:
+        parser.error(f"--impls: unknown {sorted(unknown)}; choose from refppo, trl")
+    if unknown := set(names) - set(WORKLOADS):
+        parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
+    if "trl" in impls:  # refuse what cannot run before any work
+        if importlib.util.find_spec("trl") is None:
+            parser.error('TRL is not installed: pip install -e ".[bench]", or run --impls refppo')
+        for name in names:
+            try:
+                trl_sizes(name)
+            except ValueError as e:
+                parser.error(str(e))
+    if args.worker:
+        results = [worker(args.worker, names[0], args.device, args.steps, tuple(args.overrides))]
+    else:
+        results = []
+        for name in names:
+            for round_ in range(args.rounds):
+                for impl in impls if round_ % 2 == 0 else impls[::-1]:
+                    r = in_subprocess(impl, name, args.device, args.steps, tuple(args.overrides), args.threads)
+                    results.append(r)
+                    phases = "  ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
+                    print(
+                        f"{name} {impl} round {round_ + 1}: {r['step_s']:.3f} s/step (min {min(r['step_s_all']):.3f}, "
+                        f"max {max(r['step_s_all']):.3f}), {r['tokens_per_s']:.0f} tok/s, peak {r['peak_memory_gb']:.2f} GB, "
+                        f"warm-up step {r['warmup_step_s']:.1f} s {'| ' + phases if phases else ''}",
+                        flush=True,
+                    )
+        for row in summary(results):
+            print(json.dumps(row))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
