@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from refppo.data import EpochSampler
 from refppo.models import value_head
-from refppo.optim import adamw, train_steps
+from refppo.optim import train_steps
 from refppo.rollout import build_batch, compute_scores, response_scores
 
 
@@ -58,7 +58,7 @@ def train_reward_model(
     """
     if not comparisons:
         raise ValueError("no comparisons to train the reward model on")
-    optimizer = adamw(reward_model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(reward_model.parameters(), lr=lr)
 
     def step_loss(batch):
         prompts, chosen, rejected = zip(*batch)

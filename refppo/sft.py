@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from refppo.losses import agg_loss
-from refppo.optim import adamw, train_steps
+from refppo.optim import train_steps
 from refppo.rollout import build_batch, response_log_probs
 from refppo.data import EpochSampler
 
@@ -58,7 +58,7 @@ def train_sft(
     """
     if not examples:
         raise ValueError("no SFT examples")
-    optimizer = adamw(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
 
     def step_loss(batch):
