@@ -239,7 +239,7 @@ def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...]
 def in_subprocess(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], threads: int | None) -> dict:
     """``worker`` in a fresh Python process, so each side's peak memory is its own."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, __file__, "--worker", impl, "--workloads", name, "--device", device]
+        cmd = [sys.executable, __file__, "--worker", "--impls", impl, "--workloads", name, "--device", device]
         cmd += ["--steps", str(steps), "--json", f.name, *(["--threads", str(threads)] if threads else []), *extra]
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())[0]
@@ -272,7 +272,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
     if args.threads:
@@ -291,7 +291,7 @@ def main() -> None:
             except ValueError as e:
                 parser.error(str(e))
     if args.worker:
-        results = [worker(args.worker, names[0], args.device, args.steps, tuple(args.overrides))]
+        results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides))]
     else:
         results = []
         for name in names:
@@ -302,7 +302,9 @@ def main() -> None:
                     phases = "  ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
                     print(
                         f"{name} {impl} round {round_ + 1}: {r['step_s']:.3f} s/step (min {min(r['step_s_all']):.3f}, "
-                        f"max {max(r['step_s_all']):.3f}), {r['tokens_per_s']:.0f} tok/s, peak {r['peak_memory_gb']:.2f} GB, "
+                        f"max {max(r['step_s_all']):.3f}), {r['tokens_per_s']:.0f} tok/s, "
+                        + (f"generation {r['generated_tokens_per_s']:.0f} tok/s, " if r["generated_tokens_per_s"] else "")
+                        + f"peak {r['peak_memory_gb']:.2f} GB, "
                         f"warm-up step {r['warmup_step_s']:.1f} s {'| ' + phases if phases else ''}",
                         flush=True,
                     )
