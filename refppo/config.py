@@ -64,6 +64,10 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-5))
     ppo_mini_batch_size: int = 16  # prompts per optimiser step
     ppo_micro_batch_size_per_gpu: int | None = None  # rows per forward pass; None: the mini-batch
+    # Micro-batches by a token budget instead (padding included), rows of similar length together;
+    # also for the old-log-prob and reference passes (verl's log_prob_* keys default to these).
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
@@ -111,6 +115,8 @@ class CriticConfig:
     ppo_epochs: int | None = None  # None: actor.ppo_epochs (verl interpolates the same way)
     ppo_mini_batch_size: int | None = None  # prompts per optimiser step; None: actor.ppo_mini_batch_size
     ppo_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool = False  # as actor.use_dynamic_bsz, for the critic's update and values pass
+    ppo_max_token_len_per_gpu: int = 32768
     cliprange_value: float | None = 0.5
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None  # as actor.loss_scale_factor
@@ -205,6 +211,7 @@ RANGES = {
     **{f"{role}.optim.{k}": v for role in ("actor", "critic") for k, v in _OPTIM.items()},
     "actor.ppo_mini_batch_size": _COUNT,
     "actor.ppo_micro_batch_size_per_gpu": _COUNT,
+    "actor.ppo_max_token_len_per_gpu": _COUNT,
     "actor.ppo_epochs": _COUNT,
     "actor.clip_ratio": "[0, 1)",
     "actor.clip_ratio_low": "[0, 1)",
@@ -225,6 +232,7 @@ RANGES = {
     "critic.ppo_epochs": _COUNT,
     "critic.ppo_mini_batch_size": _COUNT,
     "critic.ppo_micro_batch_size_per_gpu": _COUNT,
+    "critic.ppo_max_token_len_per_gpu": _COUNT,
     "critic.cliprange_value": _POSITIVE,
     "critic.loss_scale_factor": _POSITIVE,
     "critic.grad_clip": "(0, inf]",
@@ -380,6 +388,13 @@ def critic_mini_batch_size(config: Config) -> int:
     return config.actor.ppo_mini_batch_size if c is None else c
 
 
+def token_budget(role) -> int | None:
+    """A role's micro-batch token budget (``ppo_max_token_len_per_gpu``) with
+    ``use_dynamic_bsz``, else None (micro-batches count rows). ``role``: an ActorConfig or
+    CriticConfig."""
+    return role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -430,6 +445,24 @@ def validate(config: Config) -> Config:
             micro is None or (micro >= 1 and rows % micro == 0),
             f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the mini-batch of {rows} rows "
             f"({role}.ppo_mini_batch_size x rollout.n)",
+        )
+    longest = d.max_prompt_length + d.max_response_length
+    for role, cfg, row_keys in [
+        ("actor", a, ["actor.ppo_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"]),
+        ("critic", config.critic, ["critic.ppo_micro_batch_size_per_gpu"]),
+    ]:
+        if not cfg.use_dynamic_bsz:
+            continue
+        for key in row_keys:
+            _require(
+                get_value(config, key) is None,
+                f"{role}.use_dynamic_bsz=true sizes micro-batches by {role}.ppo_max_token_len_per_gpu, so {key} would be "
+                f"ignored: drop {key} or set {role}.use_dynamic_bsz=false",
+            )
+        _require(
+            cfg.ppo_max_token_len_per_gpu >= longest,
+            f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is less than one sequence can be "
+            f"(data.max_prompt_length + data.max_response_length = {longest})",
         )
     _require(not (r.cuda_graphs and t.device == "cpu"), "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu")
     _require(

@@ -96,8 +96,9 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     rows, token-sum by 1.
 
     Args:
-        micro_mask: (micro, T) 0/1, rows of the mini-batch.
-        mini_mask: (mini, T) 0/1, the whole mini-batch (same T).
+        micro_mask: (micro, T') 0/1, rows of the mini-batch (T' <= T: a micro-batch cut to its
+            own longest response counts the same tokens).
+        mini_mask: (mini, T) 0/1, the whole mini-batch.
 
     Returns:
         Scalar tensor.

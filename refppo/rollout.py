@@ -362,6 +362,108 @@ def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int | None) 
         yield {k: v[start : start + size] for k, v in batch.items()}
 
 
+def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch without the columns that are padding in every row: the prompts' common left
+    padding and the responses' common right padding. A model's outputs on the valid tokens do
+    not change (padding is masked out of attention), only the cost of computing them.
+
+    Args:
+        batch: a rollout batch (``prompts`` (B, P), ``responses`` (B, R), the full-sequence
+            tensors (B, P + R), per-token tensors (B, R), per-row tensors (B,)).
+
+    Returns:
+        the same keys with P and R cut to the longest prompt and response in the batch.
+    """
+    width_p, width_r = batch["prompts"].shape[1], batch["responses"].shape[1]
+    cut = width_p - int(batch["attention_mask"][:, :width_p].sum(-1).max())
+    keep = max(int(batch["response_mask"].sum(-1).max()), 1)
+    out = {}
+    for key, value in batch.items():
+        if key == "prompts":
+            out[key] = value[:, cut:]
+        elif value.dim() >= 2 and value.shape[1] == width_p + width_r:
+            out[key] = value[:, cut : width_p + keep]
+        elif value.dim() >= 2 and value.shape[1] == width_r:
+            out[key] = value[:, :keep]
+        else:
+            out[key] = value
+    return out
+
+
+def token_budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Rows grouped into micro-batches of at most ``max_tokens`` tokens each, padding included,
+    each trimmed of its all-padding columns (verl's ``use_dynamic_bsz`` with
+    ``ppo_max_token_len_per_gpu``, for a model that runs on padded rectangles).
+
+    Rows are taken longest first, and a micro-batch grows while rows x (longest prompt + longest
+    response) stays within the budget, so rows of similar length share a micro-batch and little
+    compute goes to padding: a budget bounds activation memory whatever the lengths.
+
+    Args:
+        batch: a rollout batch (see :func:`trim_padding`).
+        max_tokens: the most (rows x width) tokens in one micro-batch.
+
+    Returns:
+        [(row indices (b,) int64, micro-batch dict)], every row in exactly one micro-batch.
+
+    Raises:
+        ValueError: a single row has more than ``max_tokens`` tokens.
+    """
+    width_p = batch["prompts"].shape[1]
+    prompt_len = batch["attention_mask"][:, :width_p].sum(-1).tolist()
+    response_len = batch["response_mask"].sum(-1).clamp(min=1).tolist()
+    order = sorted(range(len(prompt_len)), key=lambda i: -(prompt_len[i] + response_len[i]))
+    groups, longest = [[]], (0, 0)
+    for i in order:
+        grown = (max(longest[0], prompt_len[i]), max(longest[1], response_len[i]))
+        if groups[-1] and (len(groups[-1]) + 1) * sum(grown) > max_tokens:
+            groups.append([])
+            grown = (prompt_len[i], response_len[i])
+        if sum(grown) > max_tokens:
+            raise ValueError(f"row {i} has {sum(grown)} tokens, more than the micro-batch budget of {max_tokens}")
+        groups[-1].append(i)
+        longest = grown
+    device = batch["response_mask"].device
+    indices = [torch.tensor(sorted(g), dtype=torch.long, device=device) for g in groups]
+    return [(idx, trim_padding({k: v[idx] for k, v in batch.items()})) for idx in indices]
+
+
+def split_micro_batches(
+    batch: dict[str, torch.Tensor], micro_batch_size: int | None = None, max_tokens: int | None = None
+) -> list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]]:
+    """A batch in micro-batches of ``micro_batch_size`` rows (consecutive, untrimmed; index None)
+    or, with ``max_tokens``, of a token budget (:func:`token_budget_micro_batches`).
+
+    Returns:
+        [(row indices (b,) or None, micro-batch dict)].
+    """
+    if max_tokens is None:
+        return [(None, mb) for mb in micro_batches(batch, micro_batch_size)]
+    if micro_batch_size is not None:
+        raise ValueError(f"a micro-batch is {micro_batch_size} rows or {max_tokens} tokens, not both")
+    return token_budget_micro_batches(batch, max_tokens)
+
+
+def _per_row(fn, batch: dict[str, torch.Tensor], micro_batch_size: int | None, max_tokens: int | None) -> list[torch.Tensor]:
+    """``fn(micro_batch) -> [(b,) or (b, r) tensors]`` over the micro-batches, put back in the
+    batch's row order and response width (zeros in trimmed columns)."""
+    parts = split_micro_batches(batch, micro_batch_size, max_tokens)
+    if max_tokens is None:
+        return [torch.cat(p) for p in zip(*(fn(mb) for _, mb in parts))]
+    rows, width = batch["response_mask"].shape
+    outs = None
+    for idx, mb in parts:
+        results = fn(mb)
+        if outs is None:
+            outs = [r.new_zeros((rows, width) if r.dim() == 2 else (rows,)) for r in results]
+        for out, r in zip(outs, results):
+            if r.dim() == 2:
+                out[idx, : r.shape[1]] = r
+            else:
+                out[idx] = r
+    return outs
+
+
 def _forward(model, batch: dict[str, torch.Tensor], **kwargs):
     device = model.device
     with autocast(device):
@@ -423,6 +525,7 @@ def compute_log_probs(
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
     calculate_entropy: bool = False,
+    max_tokens: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Old or reference log-probs of the responses, micro-batched, without gradients.
 
@@ -432,31 +535,34 @@ def compute_log_probs(
         temperature: the rollout's temperature.
         micro_batch_size: rows per forward pass (bounds activation memory); None for all.
         calculate_entropy: also return entropies.
+        max_tokens: instead of ``micro_batch_size``, a token budget per forward pass
+            (:func:`token_budget_micro_batches`).
 
     Returns:
         (B, R) float32 log-probs, 0 at padding; with ``calculate_entropy`` a (log_probs,
         entropy) pair.
     """
-    parts = [response_log_probs(model, mb, temperature, calculate_entropy) for mb in micro_batches(batch, micro_batch_size)]
-    log_probs = torch.cat([p[0] for p in parts])
-    if calculate_entropy:
-        return log_probs, torch.cat([p[1] for p in parts])
-    return log_probs
+    fn = lambda mb: [t for t in response_log_probs(model, mb, temperature, calculate_entropy) if t is not None]  # noqa: E731
+    parts = _per_row(fn, batch, micro_batch_size, max_tokens)
+    return tuple(parts) if calculate_entropy else parts[0]
 
 
 @torch.no_grad()
-def compute_values(critic, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None) -> torch.Tensor:
+def compute_values(
+    critic, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None, max_tokens: int | None = None
+) -> torch.Tensor:
     """The critic's values of a rollout, micro-batched, without gradients.
 
     Args:
         critic: a scalar-head model.
         batch: a rollout batch.
         micro_batch_size: rows per forward pass; None for all.
+        max_tokens: instead of ``micro_batch_size``, a token budget per forward pass.
 
     Returns:
         (B, R) float32 values, ``values[:, t]`` = V(state before response token t), 0 at padding.
     """
-    return torch.cat([response_values(critic, mb) for mb in micro_batches(batch, micro_batch_size)])
+    return _per_row(lambda mb: [response_values(critic, mb)], batch, micro_batch_size, max_tokens)[0]
 
 
 def response_scores(reward_model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

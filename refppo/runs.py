@@ -33,7 +33,8 @@ RESUMABLE_CHANGES = frozenset(
         "trainer.tensorboard", "trainer.save_freq", "trainer.test_freq", "trainer.device",
         "actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
         "rollout.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu",
-        "reward_model.micro_batch_size_per_gpu",
+        "reward_model.micro_batch_size_per_gpu", "actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
+        "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
     }
 )  # fmt: skip
 

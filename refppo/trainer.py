@@ -3,8 +3,9 @@
 1. Generate: the actor samples ``rollout.n`` responses per prompt, recording their log-probs.
 2. Evaluate: scores (reward model or rule), reference and old log-probs, values, token-level
    rewards (KL in the reward when ``algorithm.use_kl_in_reward``), advantages.
-3. Update: ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation) for
-   the critic and the actor, each with its own optimiser, gradient clipping and LR schedule.
+3. Update: ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a
+   row count, or of a token budget with ``use_dynamic_bsz``) for the critic and the actor, each
+   with its own optimiser, gradient clipping and LR schedule.
 
 The batch of a step: generate gives the keys listed in ``refppo.rollout``; evaluate adds, all
 (B, R) float32 and 0 after the response unless said:
@@ -35,7 +36,7 @@ import torch
 
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import check_values, value_checks
-from refppo.config import Config, critic_epochs, critic_mini_batch_size
+from refppo.config import Config, critic_epochs, critic_mini_batch_size, token_budget
 from refppo.data import EpochSampler
 from refppo.functional import masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
@@ -49,9 +50,9 @@ from refppo.rollout import (
     compute_scores,
     compute_values,
     generate,
-    micro_batches,
     response_log_probs,
     response_values,
+    split_micro_batches,
     tokenize_prompts,
 )
 from refppo.runs import STATE_FILE
@@ -216,18 +217,22 @@ class PPOTrainer:
         stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
         if self.need_ref:
             micro = c.ref.log_prob_micro_batch_size_per_gpu
-            batch["ref_log_prob"] = self._timed(timing, "ref", compute_log_probs, self.reference, batch, temp, micro)
+            batch["ref_log_prob"] = self._timed(
+                timing, "ref", compute_log_probs, self.reference, batch, temp, micro, max_tokens=token_budget(c.actor)
+            )
         if c.actor.policy_mode == "bypass":
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
             micro = c.rollout.log_prob_micro_batch_size_per_gpu
-            batch["old_log_probs"] = self._timed(timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro)
+            batch["old_log_probs"] = self._timed(
+                timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro, max_tokens=token_budget(c.actor)
+            )
         if c.actor.policy_mode == "rollout_correction":
             weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])
             batch["rollout_is_weights"] = weights.clamp(max=c.actor.rollout_is_threshold) * mask
         if self.use_critic:
             micro = c.critic.ppo_micro_batch_size_per_gpu
-            batch["values"] = self._timed(timing, "values", compute_values, self.critic, batch, micro)
+            batch["values"] = self._timed(timing, "values", compute_values, self.critic, batch, micro, token_budget(c.critic))
         stats |= self._timed(timing, "adv", self._rewards_and_advantages, batch, scores)
         # The update reads these in every micro-batch: check their values here, once per step.
         check_values(
@@ -255,10 +260,11 @@ class PPOTrainer:
 
     # ---- phase 3: update ---------------------------------------------------------------
     def _minibatch_updates(
-        self, batch, optimizer, params, grad_clip, epochs, mini_size, micro_size, agg_mode, micro_loss, prefix
+        self, batch, optimizer, params, grad_clip, epochs, mini_size, micro_size, max_tokens, agg_mode, micro_loss, prefix
     ):
-        """``epochs`` x shuffled mini-batches of ``mini_size`` prompts x micro-batches; returns
-        per-mini-batch stats.
+        """``epochs`` x shuffled mini-batches of ``mini_size`` prompts x micro-batches (of
+        ``micro_size`` rows, or of ``max_tokens`` tokens: :func:`refppo.rollout.split_micro_batches`);
+        returns per-mini-batch stats.
 
         ``micro_loss(mb) -> (loss, {name: detached scalar})``. Each micro-batch's loss is
         weighted so the accumulated gradient is the mini-batch loss's gradient exactly; the stats
@@ -277,7 +283,7 @@ class PPOTrainer:
                     mini = {k: v[idx] for k, v in batch.items()}
                     optimizer.zero_grad(set_to_none=True)
                     stats: dict[str, torch.Tensor] = {}
-                    for mb in micro_batches(mini, micro_size):
+                    for _, mb in split_micro_batches(mini, micro_size, max_tokens):
                         loss, micro_stats = micro_loss(mb)
                         weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)
                         (loss * weight).backward()
@@ -379,7 +385,7 @@ class PPOTrainer:
             critic_minis = self._timed(
                 timing, "update_critic", self._minibatch_updates, batch, self.critic_opt, self.critic_params,
                 c.critic.grad_clip, critic_epochs(c), critic_mini_batch_size(c), c.critic.ppo_micro_batch_size_per_gpu,
-                c.critic.loss_agg_mode, self._critic_loss, "critic",
+                token_budget(c.critic), c.critic.loss_agg_mode, self._critic_loss, "critic",
             )  # fmt: skip
             self.critic.eval()
             self.critic_sched.step()
@@ -388,7 +394,7 @@ class PPOTrainer:
             actor_minis = self._timed(
                 timing, "update_actor", self._minibatch_updates, batch, self.actor_opt, self.actor_params,
                 c.actor.grad_clip, c.actor.ppo_epochs, c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size_per_gpu,
-                c.actor.loss_agg_mode, self._actor_loss, "actor",
+                token_budget(c.actor), c.actor.loss_agg_mode, self._actor_loss, "actor",
             )  # fmt: skip
             self.actor.eval()
             self.actor_sched.step()

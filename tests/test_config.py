@@ -93,6 +93,14 @@ def test_bad_values():
         (["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.reward_fn=m:f"], "both give the training score"),
         (["reward_model.model.path=rm"], "reward_model.model.path is read only with reward_model.enable=true"),
         (["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.path=c"], "critic.model.path is set but algorithm.adv_estimator=grpo uses no critic"),
+        (["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=4"], "so actor.ppo_micro_batch_size_per_gpu would be ignored"),
+        (["actor.use_dynamic_bsz=true", "rollout.log_prob_micro_batch_size_per_gpu=4"], "so rollout.log_prob_micro_batch_size_per_gpu would be ignored"),
+        (["actor.use_dynamic_bsz=true", "ref.log_prob_micro_batch_size_per_gpu=4"], "so ref.log_prob_micro_batch_size_per_gpu would be ignored"),
+        (["critic.use_dynamic_bsz=true", "critic.ppo_micro_batch_size_per_gpu=4"], "so critic.ppo_micro_batch_size_per_gpu would be ignored"),
+        (["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=23"],
+         r"actor.ppo_max_token_len_per_gpu=23 is less than one sequence can be \(data.max_prompt_length \+ data.max_response_length = 24\)"),
+        (["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"], "critic.ppo_max_token_len_per_gpu=10 is less than"),
+        (["actor.ppo_max_token_len_per_gpu=0"], "actor.ppo_max_token_len_per_gpu=0 is outside"),
     ],
 )
 def test_validation_errors(overrides, message):

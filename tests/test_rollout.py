@@ -16,7 +16,10 @@ from refppo.rollout import (
     micro_batches,
     position_ids_from_mask,
     sample_next_token,
+    split_micro_batches,
+    token_budget_micro_batches,
     tokenize_prompts,
+    trim_padding,
 )
 from refppo.tasks.tokenizer import build_tokenizer
 
@@ -234,6 +237,68 @@ def test_position_ids_and_micro_batches():
     assert torch.equal(torch.cat([p["b"] for p in parts]), batch["b"])
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
         list(micro_batches(batch, 0))
+
+
+def _ragged_batch(tok, rows=12):
+    """Prompts of 2-13 characters and responses of 1-9 tokens (plus EOS), in the rollout layout."""
+    from refppo.rollout import build_batch
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 10, (rows,), generator=g).tolist()
+    prompts = ["1" * (2 + (5 * i) % 12) + "=" for i in range(rows)]
+    batch = build_batch(tok, prompts, ["7" * n for n in lengths])
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"]
+    batch["index"] = torch.arange(rows)
+    return batch
+
+
+@pytest.mark.parametrize("budget", [30, 47, 64, 200, 10_000])
+def test_token_budget_micro_batches_cover_every_row_within_the_budget(tok, budget):
+    batch = _ragged_batch(tok)
+    width_p, width_r = batch["prompts"].shape[1], batch["responses"].shape[1]
+    parts = token_budget_micro_batches(batch, budget)
+    seen = torch.cat([idx for idx, _ in parts])
+    assert sorted(seen.tolist()) == list(range(12)), "every row exactly once"
+    for idx, mb in parts:
+        rows, width = mb["input_ids"].shape
+        assert rows * width <= budget
+        p, r = mb["prompts"].shape[1], mb["responses"].shape[1]
+        assert width == p + r and mb["response_mask"].shape[1] == r == mb["advantages"].shape[1]
+        # the cut columns were padding in every row of the micro-batch, and nothing valid was cut
+        full = {k: v[idx] for k, v in batch.items()}
+        assert full["attention_mask"][:, : width_p - p].sum() == 0 and full["response_mask"][:, r:].sum() == 0
+        assert torch.equal(mb["input_ids"], full["input_ids"][:, width_p - p : width_p + r])
+        assert torch.equal(mb["advantages"], full["advantages"][:, :r]) and torch.equal(mb["index"], full["index"])
+        assert mb["attention_mask"][:, 0].any() and mb["response_mask"][:, -1].any(), "no all-padding column is left"
+    if budget == 10_000:
+        assert len(parts) == 1 and parts[0][1]["input_ids"].shape[1] <= width_p + width_r
+    if budget == 30:
+        assert len(parts) > 3
+
+
+def test_token_budget_errors(tok):
+    batch = _ragged_batch(tok)
+    longest = int((batch["attention_mask"]).sum(-1).max())
+    with pytest.raises(ValueError, match=f"has {longest} tokens, more than the micro-batch budget of {longest - 1}"):
+        token_budget_micro_batches(batch, longest - 1)
+    with pytest.raises(ValueError, match="a micro-batch is 4 rows or 64 tokens, not both"):
+        split_micro_batches(batch, 4, 64)
+    assert torch.equal(trim_padding(batch)["input_ids"], batch["input_ids"]), "the longest rows already fill the rectangle"
+
+
+def test_token_budget_passes_equal_the_whole_batch(tok, models):
+    """Log-probs, entropies and values from token-budget micro-batches (rows regrouped, padding cut)
+    equal one pass over the whole batch, in the batch's order and width."""
+    actor, critic, _ = models
+    batch = _ragged_batch(tok)
+    whole_lp, whole_ent = compute_log_probs(actor, batch, 0.7, calculate_entropy=True)
+    lp, ent = compute_log_probs(actor, batch, 0.7, calculate_entropy=True, max_tokens=40)
+    assert lp.shape == whole_lp.shape and ent.shape == whole_ent.shape
+    assert torch.allclose(lp, whole_lp, atol=1e-5) and torch.allclose(ent, whole_ent, atol=1e-5)
+    assert (lp[batch["response_mask"] == 0] == 0).all()
+    values = compute_values(critic, batch, max_tokens=40)
+    assert torch.allclose(values, compute_values(critic, batch), atol=1e-5)
+    assert len(token_budget_micro_batches(batch, 40)) > 3, "a vacuous check: one micro-batch"
 
 
 def test_prompt_length_limit(tok):

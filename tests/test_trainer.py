@@ -5,6 +5,8 @@ import torch
 
 from _trainers import make_trainer
 import refppo.trainer
+from refppo.config import token_budget
+from refppo.rollout import split_micro_batches
 from refppo.runs import RunFolder, check_resume
 from refppo.trainer import check_scores, fit
 
@@ -157,7 +159,7 @@ def test_nonfinite_gradient_skips_the_step():
     param = trainer.actor_params[0]
     before = param.detach().clone()
     stats = trainer._minibatch_updates(
-        batch, trainer.actor_opt, trainer.actor_params, 1.0, 1, 8, None, "token-mean",
+        batch, trainer.actor_opt, trainer.actor_params, 1.0, 1, 8, None, None, "token-mean",
         lambda mb: ((param.sum() * float("nan")), {}), "actor",
     )  # fmt: skip
     assert torch.equal(param.detach(), before)
@@ -177,23 +179,31 @@ def test_a_run_whose_updates_are_all_skipped_stops_with_an_error():
     assert trainer.skipped_in_a_row["actor"] == limit - 1
 
 
+SPLITS = {"rows": ["actor.ppo_micro_batch_size_per_gpu=2"], "tokens": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=32"]}
+
+
+@pytest.mark.parametrize("split_by", list(SPLITS))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"])
-def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode):
+def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split_by):
     """The first mini-batch's logged stats (before any update) equal with one micro-batch and
-    with four: the loss stats combine like the loss, the token means by token share."""
+    with several (of 2 rows, or of a 32-token budget: rows regrouped, padding cut): the loss
+    stats combine like the loss, the token means by token share."""
     settings = [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01"]
-    whole, split = make_trainer(settings), make_trainer([*settings, "actor.ppo_micro_batch_size_per_gpu=2"])
+    whole, split = make_trainer(settings), make_trainer([*settings, *SPLITS[split_by]])
     batch, _ = whole.make_experience(whole.sampler.next_batch(), {})
     split.sampler.next_batch()
     for trainer in (whole, split):
         trainer.shuffle_gen.manual_seed(0)
         mini = trainer._minibatch_updates(
             {k: v.clone() for k, v in batch.items()}, trainer.actor_opt, trainer.actor_params, 1.0, 1, 8,
-            trainer.config.actor.ppo_micro_batch_size_per_gpu, mode, trainer._actor_loss, "actor",
+            trainer.config.actor.ppo_micro_batch_size_per_gpu, token_budget(trainer.config.actor), mode, trainer._actor_loss, "actor",
         )[0]  # fmt: skip
         trainer.first = {k: float(v) for k, v in mini.items() if k != "actor/grad_norm"}
     assert set(whole.first) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"}
     assert whole.first == pytest.approx(split.first, rel=1e-5, abs=1e-7)
+    first_mini = {k: v[:8] for k, v in batch.items()}
+    micro = split.config.actor.ppo_micro_batch_size_per_gpu
+    assert len(split_micro_batches(first_mini, micro, token_budget(split.config.actor))) > 2, "a vacuous check: one micro-batch"
 
 
 def test_reward_function_errors():
@@ -217,7 +227,7 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     with pytest.raises(ValueError, match="values contains NaN or inf"):
         trainer.train_step()  # GAE's own input check
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor_params))
-    nan_log_probs = lambda model, batch, *args: torch.full_like(batch["rollout_log_probs"], float("nan"))
+    nan_log_probs = lambda model, batch, *args, **kwargs: torch.full_like(batch["rollout_log_probs"], float("nan"))
     monkeypatch.setattr(refppo.trainer, "compute_log_probs", nan_log_probs)
     with pytest.raises(ValueError, match="old_log_probs contains NaN or inf at a valid token"):
         make_trainer(["trainer.critic_warmup=0"]).train_step()  # nothing else reads them before the update

@@ -14,6 +14,8 @@ import torch
 
 from _trainers import TOK, first_char_is_seven, make_trainer
 
+from refppo.rollout import compute_log_probs, compute_values, split_micro_batches
+
 BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.grad_clip=1e9", "critic.grad_clip=1e9"]
 
 
@@ -216,6 +218,32 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_length_not_the_batch_
     )  # fmt: skip
     widths = [b["responses"].shape[1] for b in trainer.evaluated_batches]
     assert min(widths) < 8, f"widths {widths}: no batch narrower than the limit, the check would be vacuous"
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_token_budget_micro_batches_give_the_plain_gradient(mode):
+    """use_dynamic_bsz: rows regrouped by length into micro-batches of at most 14 tokens, each cut
+    to its own width; every update's gradient is still the whole mini-batch's loss's, and the
+    evaluate-phase passes (old and reference log-probs, values) are unchanged."""
+
+    def ragged(trainer):
+        with torch.no_grad():
+            trainer.actor.lm_head.weight[TOK.eos_token_id] += 3.0  # responses end after 1-8 tokens
+
+    budget = ["data.max_prompt_length=6", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=14",
+              "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=14", "algorithm.use_kl_in_reward=true"]
+    trainer = check_every_update(
+        [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "data.max_response_length=8", *budget], prepare=ragged
+    )
+    lengths = trainer.evaluated_batches[-1]["response_mask"].sum(-1)
+    assert lengths.min() < lengths.max(), "a vacuous check: every response has the same length"
+    assert len(split_micro_batches(trainer.evaluated_batches[-1], None, 14)) > 3, "a vacuous check: few micro-batches"
+    fresh = make_trainer([*BATCH, *budget])
+    ragged(fresh)
+    batch, _ = fresh.make_experience(fresh.sampler.next_batch(), {})
+    for key, whole in [("old_log_probs", compute_log_probs(fresh.actor, batch)), ("ref_log_prob", compute_log_probs(fresh.reference, batch)),
+                       ("values", compute_values(fresh.critic, batch))]:
+        assert torch.allclose(batch[key], whole, atol=1e-5), key
 
 
 @pytest.mark.parametrize(
