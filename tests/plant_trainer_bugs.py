@@ -1,5 +1,6 @@
 """Do the trainer tests bite? Plant one-line wiring bugs in refppo/trainer.py (and the registry
-adapters it calls), one at a time, and count how many the tests catch.
+adapters it calls, and the token-budget micro-batches), one at a time, and count how many the
+tests catch.
 
     python tests/plant_trainer_bugs.py [test files...]   # default: the trainer and registry tests
 
@@ -43,6 +44,12 @@ BUGS = [
     ("losses.py", "penalty adapter: KL type for the coefficient", "penalty_kl_coef, penalty_kl_type, loss_agg_mode,\n", "0.1, penalty_kl_type, loss_agg_mode,\n"),
     ("advantages.py", "needs_critic reads the wrong input", 'return ADV_ESTIMATORS.takes(adv_estimator, "values")', 'return ADV_ESTIMATORS.takes(adv_estimator, "response_mask")'),
 ]
+BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
+    ("rollout.py", "token-budget rows put back in the wrong order", "out[idx, : r.shape[1]] = r", "out[: len(idx), : r.shape[1]] = r"),
+    ("rollout.py", "trimming cuts the last response token", 'keep = max(int(batch["response_mask"].sum(-1).max()), 1)',
+     'keep = max(int(batch["response_mask"].sum(-1).max()) - 1, 1)'),
+    ("rollout.py", "a micro-batch over the token budget", "(len(groups[-1]) + 1) * sum(grown) > max_tokens", "len(groups[-1]) * sum(grown) > max_tokens"),
+]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
 
 
@@ -74,4 +81,4 @@ def main(tests: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["tests/test_trainer.py", "tests/test_trainer_wiring.py", "tests/test_registry.py"])
+    main(sys.argv[1:] or ["tests/test_trainer.py", "tests/test_trainer_wiring.py", "tests/test_registry.py", "tests/test_rollout.py"])
