@@ -18,11 +18,11 @@ Usage: python benchmarks/bench_dynamic_bsz.py [--device cpu|cuda] [--rows 64] [-
 
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result)
 from refppo.rollout import _sequence_batch, compute_log_probs, response_log_probs, split_micro_batches
 
 
@@ -52,16 +52,6 @@ def forward_backward(model, batch, micro, max_tokens):
     return computed, largest
 
 
-def timed(fn, device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, out
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,11 +77,11 @@ def main():
     grads, log_probs = {}, {}
     for _ in range(args.repeats):
         for name, (micro, max_tokens) in splits.items():
-            seconds, (computed, largest) = timed(lambda: forward_backward(model, batch, micro, max_tokens), args.device)
+            seconds, (computed, largest) = timed(lambda: forward_backward(model, batch, micro, max_tokens), args.device, 1)
             results[name]["fwd_bwd"].append(seconds)
             results[name]["tokens"], results[name]["largest"] = computed, largest
             grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
-            seconds, log_probs[name] = timed(lambda: compute_log_probs(model, batch, 1.0, micro, max_tokens=max_tokens), args.device)
+            seconds, log_probs[name] = timed(lambda: compute_log_probs(model, batch, 1.0, micro, max_tokens=max_tokens), args.device, 1)
             results[name]["log_probs"].append(seconds)
     scale = grads["rows"].abs().max()
     grad_diff = float((grads["rows"] - grads["tokens"]).abs().max() / scale)

@@ -374,9 +374,16 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     Returns:
         the same keys with P and R cut to the longest prompt and response in the batch.
     """
+    width_p = batch["prompts"].shape[1]
+    longest_prompt = int(batch["attention_mask"][:, :width_p].sum(-1).max())
+    return _cut(batch, longest_prompt, max(int(batch["response_mask"].sum(-1).max()), 1))
+
+
+def _cut(batch: dict[str, torch.Tensor], prompt_keep: int, response_keep: int) -> dict[str, torch.Tensor]:
+    """The batch with its prompts cut to their last ``prompt_keep`` columns and its responses to
+    their first ``response_keep`` (what :func:`trim_padding` keeps)."""
     width_p, width_r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    cut = width_p - int(batch["attention_mask"][:, :width_p].sum(-1).max())
-    keep = max(int(batch["response_mask"].sum(-1).max()), 1)
+    cut, keep = width_p - prompt_keep, response_keep
     out = {}
     for key, value in batch.items():
         if key == "prompts":
@@ -413,19 +420,21 @@ def token_budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) 
     prompt_len = batch["attention_mask"][:, :width_p].sum(-1).tolist()
     response_len = batch["response_mask"].sum(-1).clamp(min=1).tolist()
     order = sorted(range(len(prompt_len)), key=lambda i: -(prompt_len[i] + response_len[i]))
-    groups, longest = [[]], (0, 0)
+    groups, widths = [[]], [(0, 0)]  # each group's rows and its longest (prompt, response)
     for i in order:
-        grown = (max(longest[0], prompt_len[i]), max(longest[1], response_len[i]))
+        grown = (max(widths[-1][0], prompt_len[i]), max(widths[-1][1], response_len[i]))
         if groups[-1] and (len(groups[-1]) + 1) * sum(grown) > max_tokens:
             groups.append([])
+            widths.append((0, 0))
             grown = (prompt_len[i], response_len[i])
         if sum(grown) > max_tokens:
             raise ValueError(f"row {i} has {sum(grown)} tokens, more than the micro-batch budget of {max_tokens}")
         groups[-1].append(i)
-        longest = grown
+        widths[-1] = grown
     device = batch["response_mask"].device
     indices = [torch.tensor(sorted(g), dtype=torch.long, device=device) for g in groups]
-    return [(idx, trim_padding({k: v[idx] for k, v in batch.items()})) for idx in indices]
+    # The widths are known on the host already: cut without reading the masks again (no host sync).
+    return [(idx, _cut({k: v[idx] for k, v in batch.items()}, *width)) for idx, width in zip(indices, widths)]
 
 
 def split_micro_batches(

@@ -48,8 +48,8 @@ BUGS = [
 ]
 BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
     ("rollout.py", "token-budget rows put back in the wrong order", "out[idx, : r.shape[1]] = r", "out[: len(idx), : r.shape[1]] = r"),
-    ("rollout.py", "trimming cuts the last response token", 'keep = max(int(batch["response_mask"].sum(-1).max()), 1)',
-     'keep = max(int(batch["response_mask"].sum(-1).max()) - 1, 1)'),
+    ("rollout.py", "trimming cuts the last response token", "cut, keep = width_p - prompt_keep, response_keep",
+     "cut, keep = width_p - prompt_keep, max(response_keep - 1, 1)"),
     ("rollout.py", "a micro-batch over the token budget", "(len(groups[-1]) + 1) * sum(grown) > max_tokens", "len(groups[-1]) * sum(grown) > max_tokens"),
 ]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
