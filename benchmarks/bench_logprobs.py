@@ -3,12 +3,18 @@
 Goal (issue 2): at 4096 tokens x 32000 vocab, the chunked version's peak extra memory is
 <= 25% of the naive one's, at equal speed or better.
 
+With ``--hidden H`` the inputs are final hidden states (tokens, H) and an LM head (vocab, H)
+instead, and the two variants are refppo's two paths (issue 15, ``model.use_fused_kernels``):
+``head`` = the head's logits, then the chunked log-softmax; ``fused`` = ``logprobs_from_hidden``,
+which never holds the logits.
+
 For forward+backward the gradient itself (the size of the logits, which every implementation
 must return) is subtracted: the table shows the memory on top of it.
 Each (variant, pass) is measured in a fresh subprocess so that peak memory is its own:
 on the CPU the peak resident set size above the level reached after allocating the inputs,
 on CUDA torch.cuda.max_memory_allocated above the same level.
 Usage: python benchmarks/bench_logprobs.py [--device cpu|cuda] [--dtype float32|bfloat16]
+       [--tokens N] [--vocab V] [--hidden H]
 """
 
 import argparse
@@ -21,7 +27,7 @@ import time
 
 import torch
 
-from refppo.functional import logprobs_from_logits
+from refppo.functional import logprobs_from_hidden, logprobs_from_logits
 
 
 def naive(logits, labels):
@@ -33,19 +39,32 @@ def chunked(logits, labels):
     return logprobs_from_logits(logits, labels)
 
 
+def head(hidden, weight, labels):
+    """The LM head, then the chunked log-softmax: refppo without model.use_fused_kernels."""
+    return logprobs_from_logits(hidden @ weight.T, labels)
+
+
+def fused(hidden, weight, labels):
+    return logprobs_from_hidden(hidden, weight, labels)
+
+
+VARIANTS = {"naive": naive, "chunked": chunked, "head": head, "fused": fused}
+
+
 def peak_bytes(device):
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(variant, backward, device, dtype, tokens, vocab, repeats):
-    fn = {"naive": naive, "chunked": chunked}[variant]
-    gen = torch.Generator().manual_seed(0)
+def measure(variant, backward, device, dtype, tokens, vocab, hidden, repeats):
+    fn = VARIANTS[variant]
     # Filled in place: a temporary copy here would raise the baseline peak and hide the cost.
-    logits = torch.empty(tokens, vocab, device=device, dtype=getattr(torch, dtype)).normal_(0, 2)
+    shapes = [(tokens, hidden), (vocab, hidden)] if hidden else [(tokens, vocab)]
+    inputs = [torch.empty(shape, device=device, dtype=getattr(torch, dtype)).normal_(0, hidden**-0.25 if hidden else 2.0) for shape in shapes]
     labels = torch.randint(0, vocab, (tokens,), device=device)
-    logits.requires_grad_(backward)
+    for x in inputs:
+        x.requires_grad_(backward)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -55,16 +74,17 @@ def measure(variant, backward, device, dtype, tokens, vocab, repeats):
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = fn(logits, labels)
+        out = fn(*inputs, labels)
         if backward:
             out.sum().backward()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         del out
-        logits.grad = None
-    # Backward must produce a gradient the size of the logits; report what comes on top of it.
-    grad_mib = logits.numel() * logits.element_size() / 2**20 if backward else 0.0
+        for x in inputs:
+            x.grad = None
+    # Backward must produce gradients the size of the inputs; report what comes on top of them.
+    grad_mib = sum(x.numel() * x.element_size() for x in inputs) / 2**20 if backward else 0.0
     return {"extra_mib": (peak_bytes(device) - base) / 2**20 - grad_mib, "ms": statistics.median(times) * 1e3}
 
 
@@ -74,27 +94,34 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--hidden", type=int, default=0, help="> 0: from hidden states of this width through an LM head")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "BACKWARD"))
     a = p.parse_args()
     if a.child:
-        r = measure(a.child[0], a.child[1] == "1", a.device, a.dtype, a.tokens, a.vocab, a.repeats)
+        r = measure(a.child[0], a.child[1] == "1", a.device, a.dtype, a.tokens, a.vocab, a.hidden, a.repeats)
         print(json.dumps(r))
         return
     gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(64, 1000, generator=gen).to(a.device)
-    labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
-    err = (chunked(logits, labels) - naive(logits, labels)).abs().max().item()
-    print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} "
-          f"threads={torch.get_num_threads()}  max |chunked - naive| = {err:.1e}")
-    print(f"{'pass':<18}{'naive MiB':>11}{'chunked MiB':>13}{'mem ratio':>11}{'naive ms':>10}{'chunked ms':>12}{'speed-up':>10}")
+    names = ("head", "fused") if a.hidden else ("naive", "chunked")
+    if a.hidden:
+        h, w = torch.randn(64, 32, generator=gen).to(a.device), torch.randn(1000, 32, generator=gen).to(a.device)
+        labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
+        err = (fused(h, w, labels) - head(h, w, labels)).abs().max().item()
+    else:
+        logits = torch.randn(64, 1000, generator=gen).to(a.device)
+        labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
+        err = (chunked(logits, labels) - naive(logits, labels)).abs().max().item()
+    print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
+          f"threads={torch.get_num_threads()}  max |{names[1]} - {names[0]}| = {err:.1e}")
+    print(f"{'pass':<18}{names[0] + ' MiB':>11}{names[1] + ' MiB':>13}{'mem ratio':>11}{names[0] + ' ms':>10}{names[1] + ' ms':>12}{'speed-up':>10}")
     for backward in (False, True):
         res = {}
-        for variant in ("naive", "chunked"):
-            cmd = [sys.executable, __file__, "--device", a.device, "--dtype", a.dtype, "--tokens", str(a.tokens),
-                   "--vocab", str(a.vocab), "--repeats", str(a.repeats), "--child", variant, str(int(backward))]
+        for variant in names:
+            cmd = [sys.executable, __file__, "--device", a.device, "--dtype", a.dtype, "--tokens", str(a.tokens), "--vocab", str(a.vocab),
+                   "--hidden", str(a.hidden), "--repeats", str(a.repeats), "--child", variant, str(int(backward))]  # fmt: skip
             res[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        n, c = res["naive"], res["chunked"]
+        n, c = res[names[0]], res[names[1]]
         name = "fwd+bwd (-grad)" if backward else "forward"
         print(f"{name:<18}{n['extra_mib']:>11.0f}{c['extra_mib']:>13.0f}{c['extra_mib'] / n['extra_mib']:>10.0%}"
               f"{n['ms']:>10.0f}{c['ms']:>12.0f}{n['ms'] / c['ms']:>9.2f}x")

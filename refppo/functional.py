@@ -1,4 +1,4 @@
-"""Masked statistics and memory-bounded log-probs / entropy from logits.
+"""Masked statistics and memory-bounded log-probs / entropy from logits or from hidden states.
 
 Shapes: ``values`` and ``mask`` are any matching shape, usually ``(batch, response_len)``;
 ``logits`` is ``(..., vocab)`` and ``labels`` is ``logits.shape[:-1]``.
@@ -12,6 +12,9 @@ from refppo.checks import check_same_shape, check_values, value_checks
 
 # Elements (rows x vocab) of float32 scratch per chunk: 4M elements = 16 MiB.
 _CHUNK_ELEMENTS = 1 << 22
+# From hidden states each chunk also pays a (rows x H) @ (H x vocab) product: larger chunks keep
+# it efficient; 16M elements = 64 MiB of float32 logits per chunk.
+_LINEAR_CHUNK_ELEMENTS = 1 << 24
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
@@ -118,6 +121,42 @@ def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     return z if temperature == 1.0 else z / temperature
 
 
+def _chunked_forward(scaled_logits, labels: torch.Tensor, chunk_size: int, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(label) and the entropy of softmax(z), block by block. ``scaled_logits(start, end)``
+    gives the float32 z = logits / temperature of rows start..end-1, (end - start, V).
+    labels (N,) -> log-probs (N,), entropies (N,) (or (0,) without ``want_entropy``)."""
+    n = labels.shape[0]
+    logp = torch.empty(n, dtype=torch.float32, device=labels.device)
+    ent = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=labels.device)
+    for s in range(0, n, chunk_size):
+        z = scaled_logits(s, s + chunk_size)
+        lse = torch.logsumexp(z, dim=-1)
+        logp[s : s + chunk_size] = z.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1) - lse
+        if want_entropy:
+            ent[s : s + chunk_size] = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+    return logp, ent
+
+
+def _chunked_grads(scaled_logits, labels, grad_logp, grad_ent, temperature: float, chunk_size: int):
+    """Yield (start, end, d loss / d logits of rows start..end-1 as (end - start, V) float32),
+    from the gradients of the log-probs and (if not empty) of the entropies, (N,) each; the
+    softmax of each block is recomputed from ``scaled_logits`` (as in :func:`_chunked_forward`)."""
+    g_lp = grad_logp.reshape(-1).float()
+    g_en = grad_ent.reshape(-1).float() if grad_ent.numel() else None
+    for s in range(0, labels.shape[0], chunk_size):
+        e = s + chunk_size
+        z = scaled_logits(s, e)
+        p = torch.softmax(z, dim=-1)
+        # d log p_y / dz = onehot(y) - p
+        g = p * -g_lp[s:e, None]
+        g.scatter_add_(-1, labels[s:e, None], g_lp[s:e, None])
+        if g_en is not None:
+            # dH / dz = -p * (z - E_p[z])
+            mean_z = (p * z).sum(-1, keepdim=True)
+            g.addcmul_(p * (z - mean_z), g_en[s:e, None], value=-1.0)
+        yield s, e, g if temperature == 1.0 else g / temperature
+
+
 class _ChunkedLogSoftmax(torch.autograd.Function):
     """log p(label) and (optionally) entropy from logits, one block of rows at a time, in float32.
 
@@ -128,15 +167,7 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_size, want_entropy):
         flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        n = flat.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        ent = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=logits.device)
-        for s in range(0, n, chunk_size):
-            z = _scaled(flat[s : s + chunk_size], temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            logp[s : s + chunk_size] = z.gather(-1, flat_labels[s : s + chunk_size, None]).squeeze(-1) - lse
-            if want_entropy:
-                ent[s : s + chunk_size] = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+        logp, ent = _chunked_forward(lambda s, e: _scaled(flat[s:e], temperature), flat_labels, chunk_size, want_entropy)
         ctx.save_for_backward(logits, labels)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         if not want_entropy:
@@ -146,23 +177,63 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         logits, labels = ctx.saved_tensors
-        t, c = ctx.temperature, ctx.chunk_size
-        flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        t = ctx.temperature
+        flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.empty_like(flat)
-        g_lp = grad_logp.reshape(-1).float()
-        g_en = grad_ent.reshape(-1).float() if grad_ent.numel() else None
-        for s in range(0, flat.shape[0], c):
-            z = _scaled(flat[s : s + c], t)
-            p = torch.softmax(z, dim=-1)
-            # d log p_y / dz = onehot(y) - p
-            g = p * -g_lp[s : s + c, None]
-            g.scatter_add_(-1, flat_labels[s : s + c, None], g_lp[s : s + c, None])
-            if g_en is not None:
-                # dH / dz = -p * (z - E_p[z])
-                mean_z = (p * z).sum(-1, keepdim=True)
-                g.addcmul_(p * (z - mean_z), g_en[s : s + c, None], value=-1.0)
-            grad[s : s + c] = g if t == 1.0 else g / t
+        for s, e, g in _chunked_grads(lambda s, e: _scaled(flat[s:e], t), labels.reshape(-1), grad_logp, grad_ent, t, ctx.chunk_size):
+            grad[s:e] = g
         return grad.view_as(logits), None, None, None, None
+
+
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float):
+    """The head's weight in ``dtype`` (V, H) and ``scaled_logits(start, end)``: the float32
+    (hidden @ weight.T) / temperature of rows start..end-1 of hidden (..., H) flattened."""
+    flat, w = hidden.reshape(-1, hidden.shape[-1]), weight.to(dtype)
+    return w, lambda s, e: _scaled(flat[s:e].to(dtype) @ w.T, temperature)
+
+
+class _ChunkedLinearLogSoftmax(torch.autograd.Function):
+    """log p(label) and (optionally) entropy of softmax(hidden @ weight.T / temperature), one
+    block of rows at a time: neither the logits nor their gradient ever exist whole.
+
+    Each block's logits are computed in ``dtype`` (the autocast dtype, as the LM head's would
+    be), reduced in float32 and dropped; the backward pass recomputes them from the saved hidden
+    states and accumulates the weight's gradient block by block in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, want_entropy, dtype):
+        _, logits = _head_logits(hidden, weight, dtype, temperature)
+        logp, ent = _chunked_forward(logits, labels.reshape(-1), chunk_size, want_entropy)
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp.view(labels.shape), ent.view(labels.shape) if want_entropy else ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, labels = ctx.saved_tensors
+        t, dtype = ctx.temperature, ctx.dtype
+        w, logits = _head_logits(hidden, weight, dtype, t)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        want_h, want_w = ctx.needs_input_grad[:2]
+        acc = torch.promote_types(dtype, torch.float32)  # bf16 products are summed in float32
+        grad_h = torch.empty_like(flat) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        for s, e, g in _chunked_grads(logits, labels.reshape(-1), grad_logp, grad_ent, t, ctx.chunk_size):
+            g, h = g.to(dtype), flat[s:e].to(dtype)
+            if want_h:
+                grad_h[s:e] = g @ w
+            if want_w and acc == dtype:
+                grad_w.addmm_(g.T, h)  # in place: no (vocab, H) temporary
+            elif want_w:
+                grad_w += g.T @ h  # a (vocab, H) temporary in the compute dtype
+        return (
+            grad_h.view_as(hidden) if want_h else None,
+            grad_w.to(weight.dtype) if want_w else None,
+            None, None, None, None, None,
+        )  # fmt: skip
 
 
 def logprobs_from_logits(
@@ -195,4 +266,45 @@ def logprobs_from_logits(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rows = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // logits.shape[-1])
     logp, ent = _ChunkedLogSoftmax.apply(logits, labels, float(temperature), rows, calculate_entropy)
+    return (logp, ent) if calculate_entropy else logp
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    calculate_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_from_logits` of ``hidden @ weight.T``, without ever holding those logits.
+
+    The LM head and the log-softmax fused, a chunk of rows at a time (verl's
+    ``use_fused_kernels``): a (..., vocab) logits tensor and its gradient, the largest
+    activations of a model with a big vocabulary, are never made whole. Gradients flow to
+    ``hidden`` and ``weight``. Under autocast the products run in the autocast dtype, as the
+    LM head's would; the softmax is float32 either way.
+
+    Args:
+        hidden: (..., H) final hidden states (after the model's last norm).
+        weight: (vocab, H) the LM head's weight (bias-free).
+        labels: (...) int64 token ids.
+        temperature: the sampling temperature; logits are divided by it.
+        chunk_size: rows per chunk; default keeps a chunk's logits near 16M elements.
+        calculate_entropy: also return the entropy (nats) of each softmax.
+
+    Returns:
+        (...) float32 log-probabilities; with ``calculate_entropy`` a (log_probs, entropy) pair.
+    """
+    if weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1] or labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"hidden must be (..., H), weight (vocab, H) and labels (...): got hidden {tuple(hidden.shape)}, "
+            f"weight {tuple(weight.shape)}, labels {tuple(labels.shape)}"
+        )
+    if not float(temperature) > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(hidden.dtype, weight.dtype)
+    rows = chunk_size if chunk_size is not None else max(1, _LINEAR_CHUNK_ELEMENTS // weight.shape[0])
+    logp, ent = _ChunkedLinearLogSoftmax.apply(hidden, weight, labels, float(temperature), rows, calculate_entropy, dtype)
     return (logp, ent) if calculate_entropy else logp

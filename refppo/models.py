@@ -280,6 +280,56 @@ class LoraDisabledReference:
         return self.actor.device
 
 
+# Model types whose logits are exactly a bias-free LM head applied to the final hidden states
+# (no soft-capping or scaling after it), the condition for computing log-probs from the latter.
+FUSED_KERNEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _causal_lm(model):
+    """The Hugging Face causal LM under a LoRA adapter or an adapter-disabled reference."""
+    if isinstance(model, LoraDisabledReference):
+        model = model.actor
+    return model.get_base_model() if is_lora(model) else model
+
+
+def check_fused_kernels(model, role: str = "actor") -> None:
+    """Refuse ``model.use_fused_kernels`` for a model whose logits are not its bias-free LM
+    head applied to the final hidden states (e.g. Gemma 2 soft-caps them, Cohere scales them):
+    log-probs computed from the hidden states would silently differ.
+
+    Args:
+        model: a causal LM, LoRA actor or reference (``make_reference``).
+        role: its name in the error.
+    """
+    lm = _causal_lm(model)
+    model_type = getattr(lm.config, "model_type", None)
+    head = lm.get_output_embeddings()
+    if model_type not in FUSED_KERNEL_MODEL_TYPES or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(
+            f"model.use_fused_kernels=true computes log-probs from the final hidden states and the LM head's weight, "
+            f"which is exact for model types {', '.join(FUSED_KERNEL_MODEL_TYPES)}; the {role} is {model_type!r} "
+            f"({type(lm).__name__}): set model.use_fused_kernels=false"
+        )
+
+
+def final_hidden_states(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's output without the LM head: what ``model(**inputs).logits`` is computed from.
+
+    Args:
+        model: a causal LM, LoRA actor or adapter-disabled reference.
+        **inputs: ``input_ids`` (B, T) and the other keyword inputs of a forward pass.
+
+    Returns:
+        (hidden (B, T, H) after the final norm, the LM head's weight (vocab, H)); the logits
+        are ``hidden @ weight.T`` for the model types in ``FUSED_KERNEL_MODEL_TYPES``.
+    """
+    if isinstance(model, LoraDisabledReference):
+        with model.actor.disable_adapter():
+            return final_hidden_states(model.actor, **inputs)
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    return hidden, model.get_output_embeddings().weight
+
+
 def is_lora(model) -> bool:
     """True for a peft-wrapped model."""
     from peft import PeftModel

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval
-from refppo.functional import last_valid_index, logprobs_from_logits
+from refppo.functional import last_valid_index, logprobs_from_hidden, logprobs_from_logits
 
 if TYPE_CHECKING:
     from transformers import StaticCache
@@ -473,20 +473,23 @@ def _per_row(fn, batch: dict[str, torch.Tensor], micro_batch_size: int | None, m
     return outs
 
 
-def _forward(model, batch: dict[str, torch.Tensor], **kwargs):
+def _inputs(model, batch: dict[str, torch.Tensor]) -> dict:
     device = model.device
-    with autocast(device):
-        return model(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            position_ids=batch["position_ids"].to(device),
-            use_cache=False,
-            **kwargs,
-        )
+    return dict(
+        input_ids=batch["input_ids"].to(device),
+        attention_mask=batch["attention_mask"].to(device),
+        position_ids=batch["position_ids"].to(device),
+        use_cache=False,
+    )
+
+
+def _forward(model, batch: dict[str, torch.Tensor], **kwargs):
+    with autocast(model.device):
+        return model(**_inputs(model, batch), **kwargs)
 
 
 def response_log_probs(
-    model, batch: dict[str, torch.Tensor], temperature: float = 1.0, calculate_entropy: bool = False
+    model, batch: dict[str, torch.Tensor], temperature: float = 1.0, calculate_entropy: bool = False, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass: log-probs (and entropies) of the response tokens, with gradients.
 
@@ -496,19 +499,28 @@ def response_log_probs(
             ``response_mask``.
         temperature: the rollout's temperature.
         calculate_entropy: also return the entropy of each next-token distribution.
+        fused: compute them from the final hidden states and the LM head's weight a chunk at a
+            time, never holding the (B, R, vocab) logits (``model.use_fused_kernels``; the
+            model must pass :func:`refppo.models.check_fused_kernels`).
 
     Returns:
         (log_probs (B, R) float32, entropy (B, R) float32 or None), 0 at padding.
     """
     mask = batch["response_mask"].to(model.device).bool()
     width = mask.shape[1]
-    # logits at positions P-1 .. P+R-2 predict response tokens 0 .. R-1.
-    logits = _forward(model, batch, logits_to_keep=width + 1).logits[:, :-1]
     labels = batch["responses"].to(model.device)
-    if calculate_entropy:
-        log_probs, entropy = logprobs_from_logits(logits, labels, temperature, calculate_entropy=True)
-        return log_probs.masked_fill(~mask, 0.0), entropy.masked_fill(~mask, 0.0)
-    return logprobs_from_logits(logits, labels, temperature).masked_fill(~mask, 0.0), None
+    # positions P-1 .. P+R-2 predict response tokens 0 .. R-1.
+    if fused:
+        from refppo.models import final_hidden_states
+
+        with autocast(model.device):
+            hidden, weight = final_hidden_states(model, **_inputs(model, batch))
+            out = logprobs_from_hidden(hidden[:, -width - 1 : -1], weight, labels, temperature, calculate_entropy=calculate_entropy)
+    else:
+        logits = _forward(model, batch, logits_to_keep=width + 1).logits[:, :-1]
+        out = logprobs_from_logits(logits, labels, temperature, calculate_entropy=calculate_entropy)
+    log_probs, entropy = out if calculate_entropy else (out, None)
+    return log_probs.masked_fill(~mask, 0.0), entropy.masked_fill(~mask, 0.0) if calculate_entropy else None
 
 
 def response_values(critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -535,6 +547,7 @@ def compute_log_probs(
     micro_batch_size: int | None = None,
     calculate_entropy: bool = False,
     max_tokens: int | None = None,
+    fused: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Old or reference log-probs of the responses, micro-batched, without gradients.
 
@@ -546,12 +559,13 @@ def compute_log_probs(
         calculate_entropy: also return entropies.
         max_tokens: instead of ``micro_batch_size``, a token budget per forward pass
             (:func:`token_budget_micro_batches`).
+        fused: from the final hidden states, without whole logits (see :func:`response_log_probs`).
 
     Returns:
         (B, R) float32 log-probs, 0 at padding; with ``calculate_entropy`` a (log_probs,
         entropy) pair.
     """
-    fn = lambda mb: [t for t in response_log_probs(model, mb, temperature, calculate_entropy) if t is not None]  # noqa: E731
+    fn = lambda mb: [t for t in response_log_probs(model, mb, temperature, calculate_entropy, fused) if t is not None]  # noqa: E731
     parts = _per_row(fn, batch, micro_batch_size, max_tokens)
     return tuple(parts) if calculate_entropy else parts[0]
 

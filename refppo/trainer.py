@@ -41,7 +41,7 @@ from refppo.data import EpochSampler
 from refppo.functional import masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
 from refppo.losses import POLICY_LOSSES, agg_loss, agg_loss_weight, compute_value_loss
-from refppo.models import make_reference
+from refppo.models import check_fused_kernels, make_reference
 from refppo.optim import make_optimizer
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout import (
@@ -133,6 +133,11 @@ class PPOTrainer:
         self.decoder = StaticDecoder(actor) if c.rollout.cuda_graphs else None
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
+        self.fused = c.model.use_fused_kernels
+        if self.fused:
+            check_fused_kernels(actor)
+            if self.need_ref:
+                check_fused_kernels(self.reference, "reference")
         self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed)
         self.kl_ctrl = get_kl_controller(
             c.algorithm.kl_ctrl.type, c.algorithm.kl_ctrl.kl_coef, c.algorithm.kl_ctrl.target_kl, c.algorithm.kl_ctrl.horizon
@@ -218,14 +223,16 @@ class PPOTrainer:
         if self.need_ref:
             micro = c.ref.log_prob_micro_batch_size_per_gpu
             batch["ref_log_prob"] = self._timed(
-                timing, "ref", compute_log_probs, self.reference, batch, temp, micro, max_tokens=token_budget(c.actor)
+                timing, "ref", compute_log_probs, self.reference, batch, temp, micro,
+                max_tokens=token_budget(c.actor), fused=self.fused,
             )
         if c.actor.policy_mode == "bypass":
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
             micro = c.rollout.log_prob_micro_batch_size_per_gpu
             batch["old_log_probs"] = self._timed(
-                timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro, max_tokens=token_budget(c.actor)
+                timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro,
+                max_tokens=token_budget(c.actor), fused=self.fused,
             )
         if c.actor.policy_mode == "rollout_correction":
             weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])
@@ -312,7 +319,7 @@ class PPOTrainer:
     def _actor_loss(self, mb):
         a, temp = self.config.actor, self.config.rollout.temperature
         mask = mb["response_mask"]
-        log_prob, entropy = response_log_probs(self.actor, mb, temp, calculate_entropy=True)
+        log_prob, entropy = response_log_probs(self.actor, mb, temp, calculate_entropy=True, fused=self.fused)
         scale = self._loss_scale_factor(a.loss_scale_factor)
         pg_loss, pg_metrics = POLICY_LOSSES.call(
             a.policy_loss, old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],

@@ -1,8 +1,8 @@
 """Do the trainer tests bite? Plant one-line wiring bugs in refppo/trainer.py (and the registry
-adapters it calls, and the token-budget micro-batches), one at a time, and count how many the
-tests catch.
+adapters it calls, the token-budget micro-batches and the log-probs from hidden states), one at
+a time, and count how many the tests catch.
 
-    python tests/plant_trainer_bugs.py [test files...]   # default: the trainer and registry tests
+    python tests/plant_trainer_bugs.py [test files...]   # default: the five listed below
 
 Each bug is planted in a copy of the package in a temporary folder (put first on PYTHONPATH), so
 the working tree is never touched, even if the run is killed. Not collected by pytest (its name
@@ -11,7 +11,9 @@ wiring and registry tests catch 20 of 20 (18 of 18 on 2026-11-22, before the bat
 the seq-mean-token-sum-norm divisor were planted too). Before test_trainer_wiring.py, test_trainer.py alone
 caught 3 of the 14 trainer.py bugs that were planted then. The three token-budget bugs (added
 later on 2026-11-23) were run alone: the rollout, trainer and wiring tests catch 3 of 3 (11-13 s
-a bug); the whole list of 24 has not been run since.
+a bug). With the five bugs in the chunked log-softmax and the log-probs from hidden states
+(model.use_fused_kernels) added, the whole list was run again on 2026-11-23 with the default
+tests (trainer, wiring, registry, rollout, functional): 29 of 29 caught (14-36 s a bug).
 """
 
 import os
@@ -33,7 +35,7 @@ BUGS = [
     ("the batch's values not checked", 'finite={k: batch[k] for k in ("old_log_probs",', 'finite={k: batch[k] for k in ("unchecked",'),
     ("micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
     ("logged losses weighted by token share", "(weight if k in LOSS_STATS else share) * v", "share * v"),
-    ("temperature ignored in the update", "response_log_probs(self.actor, mb, temp, calculate_entropy=True)", "response_log_probs(self.actor, mb, 1.0, calculate_entropy=True)"),
+    ("temperature ignored in the update", "response_log_probs(self.actor, mb, temp, calculate_entropy=True,", "response_log_probs(self.actor, mb, 1.0, calculate_entropy=True,"),
     ("policy loss on the rollout's log-probs", 'old_log_prob=mb["old_log_probs"]', 'old_log_prob=mb["rollout_log_probs"]'),
     ("policy loss on the returns", 'advantages=mb["advantages"]', 'advantages=mb["returns"]'),
     ("entropy bonus with the wrong sign", "loss = pg_loss - a.entropy_coeff * entropy_mean", "loss = pg_loss + a.entropy_coeff * entropy_mean"),
@@ -51,6 +53,13 @@ BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
     ("rollout.py", "trimming cuts the last response token", "cut, keep = width_p - prompt_keep, response_keep",
      "cut, keep = width_p - prompt_keep, max(response_keep - 1, 1)"),
     ("rollout.py", "a micro-batch over the token budget", "(len(groups[-1]) + 1) * sum(grown) > max_tokens", "len(groups[-1]) * sum(grown) > max_tokens"),
+]
+BUGS += [  # log-probs from the hidden states (model.use_fused_kernels)
+    ("functional.py", "chunked log-softmax: temperature left out of the gradient", "yield s, e, g if temperature == 1.0 else g / temperature", "yield s, e, g"),
+    ("functional.py", "fused: the head's gradient halved", "grad_w.addmm_(g.T, h)", "grad_w.addmm_(g.T, h, alpha=0.5)"),
+    ("models.py", "fused: the reference keeps its adapter", "with model.actor.disable_adapter():\n            return final_hidden_states", "if True:\n            return final_hidden_states"),
+    ("rollout.py", "fused: hidden states one position late", "hidden[:, -width - 1 : -1]", "hidden[:, -width:]"),
+    ("trainer.py", "fused: the update still computes whole logits", "calculate_entropy=True, fused=self.fused)", "calculate_entropy=True)"),
 ]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
 
@@ -83,4 +92,4 @@ def main(tests: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["tests/test_trainer.py", "tests/test_trainer_wiring.py", "tests/test_registry.py", "tests/test_rollout.py"])
+    main(sys.argv[1:] or ["tests/test_trainer.py", "tests/test_trainer_wiring.py", "tests/test_registry.py", "tests/test_rollout.py", "tests/test_functional.py"])

@@ -6,6 +6,7 @@ from _inputs import batches, make_mask
 from hypothesis import given
 
 from refppo.functional import (
+    logprobs_from_hidden,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -158,3 +159,91 @@ def test_bad_logits_inputs():
         logprobs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match="vocab"):
         logprobs_from_logits(torch.randn(5), torch.zeros((), dtype=torch.long))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, None])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_from_hidden_match_float64_autograd(chunk_size, temperature):
+    """The LM head fused into the log-softmax: values and gradients (to the hidden states and to
+    the head's weight) of a plain float64 log_softmax(hidden @ weight.T / temperature)."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 7, 6, generator=gen).requires_grad_()
+    weight = torch.randn(13, 6, generator=gen).requires_grad_()
+    labels = torch.randint(0, 13, (2, 7), generator=gen)
+    w1, w2 = torch.randn(2, 7, generator=gen), torch.randn(2, 7, generator=gen)
+    logp, ent = logprobs_from_hidden(hidden, weight, labels, temperature, chunk_size, calculate_entropy=True)
+    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == ent.shape == (2, 7)
+    ((logp * w1).sum() + (ent * w2).sum()).backward()
+
+    h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ls = torch.log_softmax(h @ w.T / temperature, dim=-1)
+    ref_logp, ref_ent = ls.gather(-1, labels[..., None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    g_h, g_w = torch.autograd.grad(ref_logp.sum(), (h, w), retain_graph=True)
+    ((ref_logp * w1.double()).sum() + (ref_ent * w2.double()).sum()).backward()
+    torch.testing.assert_close(logp.double(), ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden.grad.double(), h.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), w.grad, atol=1e-5, rtol=1e-5)
+    # Without entropy: the same log-probs, and the log-probs' gradient alone.
+    h2, w2_ = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    logprobs_from_hidden(h2, w2_, labels, temperature, chunk_size).sum().backward()
+    torch.testing.assert_close(h2.grad.double(), g_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w2_.grad.double(), g_w, atol=1e-5, rtol=1e-5)
+
+
+def test_logprobs_from_hidden_frozen_head_and_bf16():
+    """A frozen head (a LoRA actor's) gets no gradient and the hidden states still get theirs;
+    bf16 inputs give float32 log-probs equal to those of the bf16 logits, bf16 gradients."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(5, 8, generator=gen).requires_grad_()
+    weight = torch.randn(9, 8, generator=gen)
+    labels = torch.randint(0, 9, (5,), generator=gen)
+    logprobs_from_hidden(hidden, weight, labels, chunk_size=2).sum().backward()
+    h = hidden.detach().double().requires_grad_()
+    torch.log_softmax(h @ weight.double().T, -1).gather(-1, labels[:, None]).sum().backward()
+    torch.testing.assert_close(hidden.grad.double(), h.grad, atol=1e-5, rtol=1e-5)
+
+    hb, wb = hidden.detach().bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    logp = logprobs_from_hidden(hb, wb, labels, chunk_size=2)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, logprobs_from_logits(hb.detach() @ wb.detach().T, labels), atol=0, rtol=0)
+    logp.sum().backward()
+    assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+    h, w = hb.detach().double().requires_grad_(), wb.detach().double().requires_grad_()
+    torch.log_softmax(h @ w.T, -1).gather(-1, labels[:, None]).sum().backward()
+    torch.testing.assert_close(hb.grad.double(), h.grad, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(wb.grad.double(), w.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_logprobs_from_hidden_hold_no_whole_logits():
+    """Peak memory of forward + backward: the fused version never holds (rows, vocab) logits,
+    the LM head followed by the chunked log-softmax does (and their gradient)."""
+    from refppo.memory import PeakMeter
+
+    gen = torch.Generator().manual_seed(5)
+    rows, width, vocab = 2048, 16, 4096
+    hidden = torch.randn(rows, width, generator=gen).requires_grad_()
+    weight = torch.randn(vocab, width, generator=gen).requires_grad_()
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    logits_bytes = rows * vocab * 4
+    peaks = {}
+    for name, fn in {
+        "head then log-softmax": lambda: logprobs_from_logits(hidden @ weight.T, labels, chunk_size=32),
+        "fused": lambda: logprobs_from_hidden(hidden, weight, labels, chunk_size=32),
+    }.items():
+        hidden.grad = weight.grad = None
+        with PeakMeter() as meter:
+            fn().sum().backward()
+        peaks[name] = meter.peak
+    assert peaks["head then log-softmax"] >= 2 * logits_bytes  # the logits and their gradient
+    assert peaks["fused"] < logits_bytes / 8, peaks
+
+
+def test_bad_hidden_inputs():
+    h, w, y = torch.randn(2, 3, 4), torch.randn(7, 4), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="weight"):
+        logprobs_from_hidden(h, torch.randn(7, 5), y)
+    with pytest.raises(ValueError, match="labels"):
+        logprobs_from_hidden(h, w, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_from_hidden(h, w, y, temperature=-1.0)

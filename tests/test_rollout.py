@@ -15,6 +15,7 @@ from refppo.rollout import (
     left_pad,
     micro_batches,
     position_ids_from_mask,
+    response_log_probs,
     sample_next_token,
     split_micro_batches,
     token_budget_micro_batches,
@@ -413,3 +414,67 @@ def test_cuda_bf16_invariants(tok):
     lp_alone = compute_log_probs(actor, alone, 1.0)[0, :n]
     lp_padded = compute_log_probs(actor, padded, 1.0)[1, :n]
     torch.testing.assert_close(lp_padded, lp_alone, rtol=0, atol=0.05)
+
+
+def _arch_models(tok):
+    """Tiny causal LMs of every model type that may compute log-probs from hidden states."""
+    from transformers import MistralConfig, Qwen3Config
+
+    from refppo.models import FUSED_KERNEL_MODEL_TYPES
+
+    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=len(tok), pad_token_id=tok.pad_token_id)  # fmt: skip
+    configs = [tiny_config(tok, "llama", 32, 1, 2, 1), tiny_config(tok, "qwen2", 32, 1, 2, 1, tie_word_embeddings=True),
+               MistralConfig(**size), Qwen3Config(**size, head_dim=16)]  # fmt: skip
+    assert sorted(c.model_type for c in configs) == sorted(FUSED_KERNEL_MODEL_TYPES)
+    torch.manual_seed(0)
+    return [load_causal_lm(c) for c in configs]
+
+
+def test_fused_log_probs_equal_the_logits_path(tok, models):
+    """model.use_fused_kernels: log-probs, entropies and every trainable parameter's gradient from
+    the hidden states equal those from the logits, for each supported model type (a tied head
+    included), a LoRA actor and its adapter-disabled reference."""
+    from refppo.models import LoraDisabledReference, add_lora, check_fused_kernels, make_reference
+
+    batch = _rollout(tok, models[0], temperature=0.9)
+    lora = add_lora(_arch_models(tok)[0], r=4)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter: actor and reference differ
+    for model in [*_arch_models(tok), lora, make_reference(lora)]:
+        check_fused_kernels(model)
+        trained = [] if isinstance(model, LoraDisabledReference) else [p for p in model.parameters() if p.requires_grad]
+        out = []
+        for fused in (False, True):
+            logp, ent = response_log_probs(model, batch, 0.9, calculate_entropy=True, fused=fused)
+            grads = torch.autograd.grad((logp * 1.3 + ent).sum(), trained) if trained else ()
+            out.append((logp.detach(), ent.detach(), *grads))
+        assert len(out[0]) > 2 or isinstance(model, LoraDisabledReference)
+        for a, b in zip(*out):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        lora_logp = response_log_probs(lora, batch, fused=True)[0]
+        ref_logp = response_log_probs(make_reference(lora), batch, fused=True)[0]
+    assert (lora_logp - ref_logp).abs().max() > 1e-3, "the reference must be the adapter-disabled model"
+
+
+def test_fused_kernels_refuse_models_whose_logits_are_not_the_head(tok):
+    """A model whose logits are rescaled or soft-capped after the LM head is refused, by name,
+    and the trainer refuses it before any work."""
+    from transformers import CohereConfig, Gemma2Config
+
+    from refppo.config import Config, apply_overrides, validate
+    from refppo.models import check_fused_kernels
+    from refppo.trainer import PPOTrainer
+
+    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=len(tok), pad_token_id=tok.pad_token_id, head_dim=16)  # fmt: skip
+    for config in (Gemma2Config(**size), CohereConfig(**size)):
+        with pytest.raises(ValueError, match=f"the actor is '{config.model_type}'.*use_fused_kernels=false"):
+            check_fused_kernels(load_causal_lm(config))
+    config = validate(apply_overrides(Config(), ["model.use_fused_kernels=true", "algorithm.adv_estimator=grpo", "rollout.n=2"]))
+    records = [{"prompt": "1+1="}] * 64
+    with pytest.raises(ValueError, match="gemma2"):
+        PPOTrainer(config, tok, load_causal_lm(Gemma2Config(**size)), None, records, records, reward_fn=lambda *a: None)

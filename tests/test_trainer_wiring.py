@@ -258,6 +258,9 @@ def test_token_budget_micro_batches_give_the_plain_gradient(mode):
         ["actor.policy_mode=rollout_correction", "actor.rollout_is_threshold=1.2", "actor.ppo_epochs=2"],
         ["algorithm.adv_estimator=grpo", "rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"],
         ["rollout.temperature=0.7"],
+        # log-probs from the hidden states (the LM head fused into the log-softmax), every term on
+        ["model.use_fused_kernels=true", "actor.entropy_coeff=0.3", "actor.use_kl_loss=true", "actor.kl_loss_type=k2",
+         "actor.kl_loss_coef=0.5", "rollout.temperature=0.7"],
     ],
 )
 def test_every_update_has_the_plain_gradient(overrides):
@@ -294,13 +297,26 @@ def test_terms_change_the_gradient_by_exactly_their_own_term():
     assert assert_grad_close(actor_grad(kl_loss_coef=0.5) - g0, 0.5 * g_k2)
 
 
-@pytest.mark.parametrize("mode", ["decoupled", "bypass", "rollout_correction"])
-def test_evaluate_phase_fills_every_key_from_the_right_model(mode):
+def test_fused_kernels_never_run_the_lm_head_over_the_responses():
+    """model.use_fused_kernels: the old-log-prob, reference and update passes never call the LM
+    head (whose output would be the whole logits); sampling still does, one position at a time."""
+    for fused in (False, True):
+        trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", f"model.use_fused_kernels={str(fused).lower()}"])
+        positions = []
+        for model in (trainer.actor, trainer.reference):
+            model.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[1]))
+        trainer.train_step()
+        assert positions and (max(positions) > 1) != fused, (fused, sorted(set(positions)))
+
+
+@pytest.mark.parametrize("mode, fused", [("decoupled", False), ("bypass", False), ("rollout_correction", False), ("decoupled", True)])
+def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     """old log-probs from the actor (or the rollout), reference log-probs from the frozen copy,
-    values from the critic, the score on the last token, KL in the reward, GAE, IS weights."""
+    values from the critic, the score on the last token, KL in the reward, GAE, IS weights;
+    the same with the log-probs computed from the hidden states (model.use_fused_kernels)."""
     trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.3",
                             "algorithm.lam=0.9", "algorithm.gamma=0.95", f"actor.policy_mode={mode}",
-                            "actor.rollout_is_threshold=1.02"])  # fmt: skip
+                            "actor.rollout_is_threshold=1.02", f"model.use_fused_kernels={str(fused).lower()}"])  # fmt: skip
     reference = copy.deepcopy(trainer.actor)
     perturb_rollout_log_probs(trainer)
     trainer.train_step()  # actor and critic move; the reference must not
