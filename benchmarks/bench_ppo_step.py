@@ -26,6 +26,8 @@ Workloads (issue 15):
 - W2: Llama, hidden 256, 4 layers, vocab 2048; 32 x (16 + 64); 2 epochs, 2 mini-batches.
 - W3: Qwen2.5-0.5B's shape (random weights); 64 x (256 + 256); 1 epoch, 1 mini-batch,
   micro-batches of 16; CUDA.
+- V: a small model with Qwen2.5's vocabulary (hidden 256, 4 layers, 151,936 tokens); 16 x (16 + 64);
+  the LM head and the logits dominate, which is what ``model.use_fused_kernels`` is for.
 - Q: verl's quickstart shape: Qwen2.5-0.5B, 256 x (512 + 512), 1 epoch, 4 mini-batches,
   micro-batches of 8; CUDA; refppo only (TRL's gradient accumulation spans the whole batch, so it
   cannot step once per mini-batch in micro-batches).
@@ -74,6 +76,8 @@ WORKLOADS = {
                num_key_value_heads=4, vocab=2048), prompts=32, prompt_len=16, response_len=64, epochs=2, minis=2),
     "W3": dict(model=QWEN_05B, prompts=64, prompt_len=256, response_len=256, epochs=1, minis=1, micro=16),
     "Q": dict(model=QWEN_05B, prompts=256, prompt_len=512, response_len=512, epochs=1, minis=4, micro=8),
+    "V": dict(model=dict(arch="qwen2", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=4, vocab=QWEN_05B["vocab"]), prompts=16, prompt_len=16, response_len=64, epochs=1, minis=1),
 }  # fmt: skip
 
 
