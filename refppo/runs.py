@@ -183,7 +183,7 @@ class RunFolder:
         self.resume = resume
         if resume is None:
             check_free(self.path)
-        (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(parents=True, exist_ok=True)  # checkpoints/ comes with the first checkpoint
         _atomic_write_text(self.path / "config.json", _config_json(config))
         self.metrics_path = self.path / "metrics.jsonl"
         self.tensorboard = None

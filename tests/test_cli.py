@@ -32,6 +32,7 @@ def test_sft_writes_a_run_folder(sft_run):
     lines = [json.loads(ln) for ln in (sft_run / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [1, 2, 3] and "sft/loss" in lines[0]
     assert (sft_run / "model" / "config.json").exists() and (sft_run / "model" / "tokenizer_config.json").exists()
+    assert sorted(p.name for p in sft_run.iterdir()) == ["config.json", "metrics.jsonl", "model"], "no empty checkpoints/"
 
 
 def test_ppo_run_resume_and_refusal(sft_run, tmp_path, capsys):
