@@ -203,8 +203,11 @@ class _ChunkedLinearLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, chunk_size, want_entropy, dtype):
-        _, logits = _head_logits(hidden, weight, dtype, temperature)
-        logp, ent = _chunked_forward(logits, labels.reshape(-1), chunk_size, want_entropy)
+        # ``dtype`` alone decides the products' precision, here as in the backward pass (which
+        # runs outside autocast)
+        with torch.autocast(hidden.device.type, enabled=False):
+            _, logits = _head_logits(hidden, weight, dtype, temperature)
+            logp, ent = _chunked_forward(logits, labels.reshape(-1), chunk_size, want_entropy)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         if not want_entropy:

@@ -13,7 +13,8 @@ caught 3 of the 14 trainer.py bugs that were planted then. The three token-budge
 later on 2026-11-23) were run alone: the rollout, trainer and wiring tests catch 3 of 3 (11-13 s
 a bug). With the five bugs in the chunked log-softmax and the log-probs from hidden states
 (model.use_fused_kernels) added, the whole list was run again on 2026-11-23 with the default
-tests (trainer, wiring, registry, rollout, functional): 29 of 29 caught (14-36 s a bug).
+tests (trainer, wiring, registry, rollout, functional): 29 of 29 caught (14-36 s a bug). A 30th
+(the autocast dtype ignored), added after, is caught by the functional tests (run alone).
 """
 
 import os
@@ -59,6 +60,7 @@ BUGS += [  # log-probs from the hidden states (model.use_fused_kernels)
     ("functional.py", "fused: the head's gradient halved", "grad_w.addmm_(g.T, h)", "grad_w.addmm_(g.T, h, alpha=0.5)"),
     ("models.py", "fused: the reference keeps its adapter", "with model.actor.disable_adapter():\n            return final_hidden_states", "if True:\n            return final_hidden_states"),
     ("rollout.py", "fused: hidden states one position late", "hidden[:, -width - 1 : -1]", "hidden[:, -width:]"),
+    ("functional.py", "fused: the autocast dtype ignored", "torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else ", ""),
     ("trainer.py", "fused: the update still computes whole logits", "calculate_entropy=True, fused=self.fused)", "calculate_entropy=True)"),
 ]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]

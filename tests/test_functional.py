@@ -215,6 +215,24 @@ def test_logprobs_from_hidden_frozen_head_and_bf16():
     torch.testing.assert_close(wb.grad.double(), w.grad, atol=2e-2, rtol=2e-2)
 
 
+def test_logprobs_from_hidden_under_autocast_use_its_dtype():
+    """Under autocast (bf16 on CUDA; checked here with the CPU's) the head's products run in the
+    autocast dtype, as the LM head's own would: the log-probs equal those of the autocast logits,
+    the gradients keep the inputs' float32."""
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(6, 8, generator=gen).requires_grad_()
+    weight = torch.randn(11, 8, generator=gen).requires_grad_()
+    labels = torch.randint(0, 11, (6,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = logprobs_from_hidden(hidden, weight, labels, chunk_size=4)
+        logits = hidden @ weight.T
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(fused, logprobs_from_logits(logits.detach(), labels), atol=0, rtol=0)
+    assert (fused - logprobs_from_hidden(hidden, weight, labels)).abs().max() > 1e-4, "float32 would differ"
+    fused.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+
+
 def test_logprobs_from_hidden_hold_no_whole_logits():
     """Peak memory of forward + backward: the fused version never holds (rows, vocab) logits,
     the LM head followed by the chunked log-softmax does (and their gradient)."""
