@@ -121,7 +121,9 @@ def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     return z if temperature == 1.0 else z / temperature
 
 
-def _chunked_forward(scaled_logits, labels: torch.Tensor, chunk_size: int, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunked_forward(
+    scaled_logits, labels: torch.Tensor, chunk_size: int, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(label) and the entropy of softmax(z), block by block. ``scaled_logits(start, end)``
     gives the float32 z = logits / temperature of rows start..end-1, (end - start, V).
     labels (N,) -> log-probs (N,), entropies (N,) (or (0,) without ``want_entropy``)."""
@@ -180,7 +182,8 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         t = ctx.temperature
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.empty_like(flat)
-        for s, e, g in _chunked_grads(lambda s, e: _scaled(flat[s:e], t), labels.reshape(-1), grad_logp, grad_ent, t, ctx.chunk_size):
+        scaled = lambda s, e: _scaled(flat[s:e], t)  # noqa: E731
+        for s, e, g in _chunked_grads(scaled, labels.reshape(-1), grad_logp, grad_ent, t, ctx.chunk_size):
             grad[s:e] = g
         return grad.view_as(logits), None, None, None, None
 
@@ -307,7 +310,8 @@ def logprobs_from_hidden(
     if not float(temperature) > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(hidden.dtype, weight.dtype)
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
     rows = chunk_size if chunk_size is not None else max(1, _LINEAR_CHUNK_ELEMENTS // weight.shape[0])
     logp, ent = _ChunkedLinearLogSoftmax.apply(hidden, weight, labels, float(temperature), rows, calculate_entropy, dtype)
     return (logp, ent) if calculate_entropy else logp

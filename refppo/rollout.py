@@ -515,7 +515,8 @@ def response_log_probs(
 
         with autocast(model.device):
             hidden, weight = final_hidden_states(model, **_inputs(model, batch))
-            out = logprobs_from_hidden(hidden[:, -width - 1 : -1], weight, labels, temperature, calculate_entropy=calculate_entropy)
+            hidden = hidden[:, -width - 1 : -1]
+            out = logprobs_from_hidden(hidden, weight, labels, temperature, calculate_entropy=calculate_entropy)
     else:
         logits = _forward(model, batch, logits_to_keep=width + 1).logits[:, :-1]
         out = logprobs_from_logits(logits, labels, temperature, calculate_entropy=calculate_entropy)
@@ -565,7 +566,9 @@ def compute_log_probs(
         (B, R) float32 log-probs, 0 at padding; with ``calculate_entropy`` a (log_probs,
         entropy) pair.
     """
-    fn = lambda mb: [t for t in response_log_probs(model, mb, temperature, calculate_entropy, fused) if t is not None]  # noqa: E731
+    def fn(mb):
+        return [t for t in response_log_probs(model, mb, temperature, calculate_entropy, fused) if t is not None]
+
     parts = _per_row(fn, batch, micro_batch_size, max_tokens)
     return tuple(parts) if calculate_entropy else parts[0]
 

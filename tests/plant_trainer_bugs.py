@@ -60,7 +60,7 @@ BUGS += [  # log-probs from the hidden states (model.use_fused_kernels)
     ("functional.py", "fused: the head's gradient halved", "grad_w.addmm_(g.T, h)", "grad_w.addmm_(g.T, h, alpha=0.5)"),
     ("models.py", "fused: the reference keeps its adapter", "with model.actor.disable_adapter():\n            return final_hidden_states", "if True:\n            return final_hidden_states"),
     ("rollout.py", "fused: hidden states one position late", "hidden[:, -width - 1 : -1]", "hidden[:, -width:]"),
-    ("functional.py", "fused: the autocast dtype ignored", "torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else ", ""),
+    ("functional.py", "fused: the autocast dtype ignored", "torch.get_autocast_dtype(device) if autocast else ", ""),
     ("trainer.py", "fused: the update still computes whole logits", "calculate_entropy=True, fused=self.fused)", "calculate_entropy=True)"),
 ]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
