@@ -82,7 +82,10 @@ def run_sft(config: Config, make_run) -> None:
     model = load_causal_lm(source, tokenizer, _device(config))
     s, examples = config.sft, sft_examples(config)
     run = make_run()
-    train_sft(model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log, config.trainer.progress_bar)
+    train_sft(
+        model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log, config.trainer.progress_bar,
+        fused=m.use_fused_kernels,
+    )  # fmt: skip
     _save_model(model, tokenizer, run.path / "model")
 
 
@@ -197,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     out = config.trainer.output_dir
     if config.trainer.resume and command != "ppo":
         raise ValueError(f"refppo {command} saves no checkpoints: trainer.resume=true is for refppo ppo")
+    if config.model.lora_rank > 0 and command != "ppo":
+        raise ValueError(f"refppo {command} trains every weight: model.lora_rank is for refppo ppo")
+    if config.model.use_fused_kernels and command == "rm":
+        raise ValueError("refppo rm trains a scalar head, with no vocabulary to fuse: model.use_fused_kernels is for sft and ppo")
     # Before any work: a run is never written over another, and a resume finds a checkpoint
     # that loads and the same settings (an empty or missing folder starts fresh).
     resume = check_resume(out, config) if config.trainer.resume else None

@@ -47,8 +47,8 @@ class ModelConfig:
     num_key_value_heads: int = 2
     lora_rank: int = 0  # > 0 trains a LoRA adapter; the reference is then the adapter-disabled actor
     lora_alpha: int = 16
-    # PPO's log-prob passes from the final hidden states, the LM head fused into the log-softmax a
-    # chunk at a time: no (rows, response, vocab) logits (verl's name; memory for big vocabularies).
+    # SFT's and PPO's log-probs from the final hidden states, the LM head fused into the log-softmax
+    # a chunk at a time: no (rows, response, vocab) logits (verl's name; memory for big vocabularies).
     use_fused_kernels: bool = False
 
 

@@ -9,23 +9,25 @@ from __future__ import annotations
 import torch
 
 from refppo.losses import agg_loss
+from refppo.models import check_fused_kernels
 from refppo.optim import train_steps
 from refppo.rollout import build_batch, response_log_probs
 from refppo.data import EpochSampler
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def sft_loss(model, batch: dict[str, torch.Tensor], fused: bool = False) -> torch.Tensor:
     """Mean negative log-likelihood of the valid response tokens (prompt tokens are not trained).
 
     Args:
         model: a causal LM.
         batch: rollout-layout batch (``input_ids``, ``attention_mask``, ``position_ids``,
             ``responses``, ``response_mask``).
+        fused: from the final hidden states, without whole logits (``model.use_fused_kernels``).
 
     Returns:
         Scalar loss (token-mean over the batch).
     """
-    log_probs, _ = response_log_probs(model, batch, temperature=1.0)
+    log_probs, _ = response_log_probs(model, batch, temperature=1.0, fused=fused)
     return -agg_loss(log_probs, batch["response_mask"].to(log_probs.device), "token-mean")
 
 
@@ -39,6 +41,7 @@ def train_sft(
     seed: int = 0,
     log=None,
     progress_bar: bool = False,
+    fused: bool = False,
 ) -> list[dict[str, float]]:
     """Train ``model`` on (prompt, response) pairs with AdamW and a cosine schedule.
 
@@ -52,18 +55,22 @@ def train_sft(
         seed: data order.
         log: optional ``log(step, metrics)`` called every step.
         progress_bar: show a tqdm bar with the loss.
+        fused: the loss from the final hidden states (``model.use_fused_kernels``; the model
+            must pass :func:`refppo.models.check_fused_kernels`).
 
     Returns:
         Per-step metrics ``{"sft/loss", "sft/lr"}``.
     """
     if not examples:
         raise ValueError("no SFT examples")
+    if fused:
+        check_fused_kernels(model, "SFT model")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
 
     def step_loss(batch):
         prompts, responses = zip(*batch)
-        loss = sft_loss(model, build_batch(tokenizer, prompts, responses))
+        loss = sft_loss(model, build_batch(tokenizer, prompts, responses), fused)
         return loss, {"sft/loss": loss.detach(), "sft/lr": schedule.get_last_lr()[0]}
 
     sampler = EpochSampler(examples, batch_size, seed)

@@ -11,6 +11,7 @@ import torch
 
 from refppo.cli import main
 from refppo.config import Config
+from refppo.rollout import response_log_probs
 from refppo.runs import RunFolder
 
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1"]
@@ -118,6 +119,40 @@ def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_pat
     extra = [e.format(**files) for e in extra]
     with pytest.raises(error, match=message):
         main(["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", *extra, *QUICK_PPO])
+    assert not out.exists()
+
+
+def test_sft_with_fused_kernels_gives_the_same_run(sft_run, tmp_path, monkeypatch):
+    """model.use_fused_kernels in refppo sft: the loss from the final hidden states, the same
+    losses step by step as the logits path (CPU, float32)."""
+    import refppo.sft
+
+    seen = []
+
+    def recording(*args, fused=False, **kwargs):
+        seen.append(fused)
+        return response_log_probs(*args, fused=fused, **kwargs)
+
+    monkeypatch.setattr(refppo.sft, "response_log_probs", recording)
+    out = tmp_path / "fused"
+    assert main(["sft", f"trainer.output_dir={out}", "sft.steps=3", "sft.batch_size=8", "model.use_fused_kernels=true", *TINY]) == 0
+    losses = [[json.loads(ln)["sft/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in (sft_run, out)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    assert seen and all(seen), "the flag must reach the loss"
+
+
+@pytest.mark.parametrize(
+    "command, extra, message",
+    [
+        ("sft", ["model.lora_rank=4"], "refppo sft trains every weight: model.lora_rank is for refppo ppo"),
+        ("rm", ["model.lora_rank=4"], "refppo rm trains every weight"),
+        ("rm", ["model.use_fused_kernels=true"], "refppo rm trains a scalar head.*use_fused_kernels is for sft and ppo"),
+    ],
+)
+def test_options_a_command_would_ignore_are_refused(sft_run, tmp_path, command, extra, message):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        main([command, f"trainer.output_dir={out}", "data.task=preference", f"model.path={sft_run}/model", *extra])
     assert not out.exists()
 
 
