@@ -25,7 +25,9 @@ import torch
 from refppo.advantages import needs_critic
 from refppo.config import Config, apply_overrides, config_to_dict, validate
 from refppo.data import sft_examples, task_data
-from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
+from refppo.models import (
+    add_lora, check_fused_kernels, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config,
+)  # fmt: skip
 from refppo.runs import RunFolder, check_free, check_resume, summary
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
@@ -80,6 +82,8 @@ def run_sft(config: Config, make_run) -> None:
     )
     torch.manual_seed(config.trainer.seed)
     model = load_causal_lm(source, tokenizer, _device(config))
+    if m.use_fused_kernels:  # refused before the run folder exists (train_sft would, after)
+        check_fused_kernels(model, "SFT model")
     s, examples = config.sft, sft_examples(config)
     run = make_run()
     train_sft(

@@ -156,6 +156,23 @@ def test_options_a_command_would_ignore_are_refused(sft_run, tmp_path, command, 
     assert not out.exists()
 
 
+def test_sft_refuses_fused_kernels_for_an_unsupported_model_before_any_write(sft_run, tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from refppo.cli import load_tokenizer
+
+    tok = load_tokenizer(f"{sft_run}/model")
+    gemma = tmp_path / "gemma"
+    Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+                      ).save_pretrained(gemma)  # fmt: skip
+    tok.save_pretrained(gemma)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="the SFT model is 'gemma2'"):
+        main(["sft", f"trainer.output_dir={out}", f"model.path={gemma}", "model.use_fused_kernels=true", "sft.steps=1"])
+    assert not out.exists()
+
+
 def test_bad_config_and_paths(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="did you mean actor.clip_ratio"):
