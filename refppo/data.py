@@ -89,8 +89,9 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
     for where, rec in located:
         if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
             raise ValueError(f"{where}: the record has no string field {prompt_key!r} (data.prompt_key)")
-        if tokenizer is not None and max_prompt_length is not None:
-            length = len(tokenizer(rec[prompt_key])["input_ids"])
+    if tokenizer is not None and max_prompt_length is not None:
+        ids = tokenizer([rec[prompt_key] for _, rec in located])["input_ids"]
+        for (where, _), length in zip(located, map(len, ids)):
             if length > max_prompt_length:
                 raise ValueError(
                     f"{where}: the prompt has {length} tokens, more than data.max_prompt_length={max_prompt_length} "

@@ -57,11 +57,9 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
         if len(seq) == 0:
             raise ValueError(f"sequence {i} has no tokens")
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
-        mask[i, width - len(seq) :] = 1
+    # One tensor from Python lists: a copy per row costs more than the tokens on a tiny model.
+    ids = torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
     return ids, mask
 
 
@@ -83,7 +81,9 @@ def tokenize_prompts(
     check_choice("truncation", truncation, TRUNCATION_MODES)
     if isinstance(prompts, str):
         raise ValueError("prompts must be a list of texts, got one string")
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    if len(prompts) == 0:
+        raise ValueError("no prompts: the prompt list is empty")
+    ids = tokenizer(list(prompts))["input_ids"]  # one call: the batch is encoded at once
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
             if len(seq) > max_prompt_length:
@@ -641,7 +641,7 @@ def build_batch(tokenizer, prompts: Sequence[str], responses: Sequence[str], add
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     eos = [tokenizer.eos_token_id] if add_eos else []
-    response_lists = [tokenizer(r, add_special_tokens=False)["input_ids"] + eos for r in responses]
+    response_lists = [seq + eos for seq in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
     # Right padding is left padding of the reversed lists, reversed back.
     flipped, flipped_mask = left_pad([seq[::-1] for seq in response_lists], tokenizer.pad_token_id)
     return _sequence_batch(prompt_ids, prompt_mask, flipped.flip(1), flipped_mask.flip(1))
