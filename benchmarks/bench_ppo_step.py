@@ -251,7 +251,7 @@ def in_subprocess(impl: str, name: str, device: str, steps: int, extra: tuple[st
 
 def summary(results: list[dict]) -> list[dict]:
     """Per workload: each implementation's median step over all its timed steps and rounds, the
-    ratio TRL / refppo (refppo's speed-up) per round and overall."""
+    ratio TRL / refppo (refppo's speed-up) overall, per round and its median over the rounds."""
     rows = []
     for name in dict.fromkeys(r["workload"] for r in results):
         by = {i: [r for r in results if r["workload"] == name and r["impl"] == i] for i in ("refppo", "trl")}
@@ -263,6 +263,8 @@ def summary(results: list[dict]) -> list[dict]:
         if len(med) == 2:
             row["speedup"] = med["trl"] / med["refppo"]
             row["speedup_per_round"] = [t["step_s"] / r["step_s"] for r, t in zip(by["refppo"], by["trl"])]
+            # Neighbouring rounds share the machine's state, so this moves less with its drift.
+            row["speedup_median_round"] = statistics.median(row["speedup_per_round"])
         rows.append(row)
     return rows
 
