@@ -141,17 +141,22 @@ def _chunked_forward(
 
 def _chunked_grads(scaled_logits, labels, grad_logp, grad_ent, temperature: float, chunk_size: int):
     """Yield (start, end, d loss / d logits of rows start..end-1 as (end - start, V) float32),
-    from the gradients of the log-probs and (if not empty) of the entropies, (N,) each; the
-    softmax of each block is recomputed from ``scaled_logits`` (as in :func:`_chunked_forward`)."""
-    g_lp = grad_logp.reshape(-1).float()
-    g_en = grad_ent.reshape(-1).float() if grad_ent.numel() else None
+    from the gradients of the log-probs and of the entropies, (N,) each, or None (or empty) for
+    an output the loss does not use; the softmax of each block is recomputed from
+    ``scaled_logits`` (as in :func:`_chunked_forward`)."""
+    g_lp = grad_logp.reshape(-1).float() if grad_logp is not None else None
+    # An entropy logged but not trained on (entropy_coeff 0) costs no backward work.
+    g_en = grad_ent.reshape(-1).float() if grad_ent is not None and grad_ent.numel() else None
     for s in range(0, labels.shape[0], chunk_size):
         e = s + chunk_size
         z = scaled_logits(s, e)
         p = torch.softmax(z, dim=-1)
-        # d log p_y / dz = onehot(y) - p
-        g = p * -g_lp[s:e, None]
-        g.scatter_add_(-1, labels[s:e, None], g_lp[s:e, None])
+        if g_lp is not None:
+            # d log p_y / dz = onehot(y) - p
+            g = p * -g_lp[s:e, None]
+            g.scatter_add_(-1, labels[s:e, None], g_lp[s:e, None])
+        else:
+            g = torch.zeros_like(p)
         if g_en is not None:
             # dH / dz = -p * (z - E_p[z])
             mean_z = (p * z).sum(-1, keepdim=True)
@@ -172,6 +177,7 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         logp, ent = _chunked_forward(lambda s, e: _scaled(flat[s:e], temperature), flat_labels, chunk_size, want_entropy)
         ctx.save_for_backward(logits, labels)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
         if not want_entropy:
             ctx.mark_non_differentiable(ent)
         return logp.view(labels.shape), ent.view(labels.shape) if want_entropy else ent
@@ -213,6 +219,7 @@ class _ChunkedLinearLogSoftmax(torch.autograd.Function):
             logp, ent = _chunked_forward(logits, labels.reshape(-1), chunk_size, want_entropy)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        ctx.set_materialize_grads(False)
         if not want_entropy:
             ctx.mark_non_differentiable(ent)
         return logp.view(labels.shape), ent.view(labels.shape) if want_entropy else ent

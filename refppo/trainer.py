@@ -326,7 +326,9 @@ class PPOTrainer:
             response_mask=mask, rollout_is_weights=mb.get("rollout_is_weights"), **(vars(a) | {"loss_scale_factor": scale}),
         )  # fmt: skip
         entropy_mean = agg_loss(entropy, mask, a.loss_agg_mode, scale)
-        loss = pg_loss - a.entropy_coeff * entropy_mean
+        loss = pg_loss
+        if a.entropy_coeff != 0:  # else logged only, and its gradient never computed (as in verl)
+            loss = loss - a.entropy_coeff * entropy_mean
         stats = {"actor/pg_loss": pg_loss.detach(), **pg_metrics, "actor/entropy": entropy_mean.detach()}
         if a.use_kl_loss:
             kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, scale)

@@ -140,6 +140,43 @@ def test_gradients_match_float64_autograd(chunk_size):
     torch.testing.assert_close(z2.grad.double(), g_ent, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_unused_output_costs_no_backward_work(monkeypatch, fused):
+    """Entropy computed (for a log) but not in the loss: its gradient is never formed (the
+    backward gets None, not zeros) and the log-probs' gradient is bit for bit the one without
+    entropy; the other way round, the entropy's gradient alone matches float64 autograd."""
+    import refppo.functional as F
+
+    seen = []
+    plain = F._chunked_grads
+
+    def spy(scaled, labels, grad_logp, grad_ent, *args):
+        seen.append((grad_logp is None, grad_ent is None))
+        return plain(scaled, labels, grad_logp, grad_ent, *args)
+
+    monkeypatch.setattr(F, "_chunked_grads", spy)
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(2, 7, 6, generator=gen), torch.randn(13, 6, generator=gen)
+    labels = torch.randint(0, 13, (2, 7), generator=gen)
+
+    def grads(entropy: bool, use: int):
+        x = (hidden if fused else hidden @ weight.T).detach().clone().requires_grad_()
+        out = logprobs_from_hidden(x, weight, labels, 0.8, 3, entropy) if fused else logprobs_from_logits(x, labels, 0.8, 3, entropy)
+        (out[use] if entropy else out).sum().backward()
+        return x.grad
+
+    without = grads(False, 0)
+    with_unused_entropy = grads(True, 0)
+    assert seen == [(False, True), (False, True)]
+    assert torch.equal(with_unused_entropy, without)
+    entropy_only = grads(True, 1)
+    assert seen[-1] == (True, False)
+    h = (hidden if fused else hidden @ weight.T).double().requires_grad_()
+    ls = torch.log_softmax((h @ weight.double().T if fused else h) / 0.8, dim=-1)
+    (ref,) = torch.autograd.grad(-(ls.exp() * ls).sum(), h)
+    torch.testing.assert_close(entropy_only.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_logits_give_float32_outputs_and_bf16_grads():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(4, 9, generator=gen).bfloat16().requires_grad_()

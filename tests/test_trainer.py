@@ -241,6 +241,22 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     assert syncs == [], f"{len(syncs)} value-check host syncs in the update loop (8 micro-batches)"
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_entropy_is_logged_always_and_differentiated_only_with_a_coefficient(monkeypatch, fused):
+    """actor.entropy_coeff=0 (the default): actor/entropy is logged, but no backward pass forms
+    its gradient; with a coefficient, every one does."""
+    import refppo.functional as F
+
+    seen = []
+    plain = F._chunked_grads
+    monkeypatch.setattr(F, "_chunked_grads", lambda *a: seen.append(a[3] is not None) or plain(*a))
+    for coeff, differentiated in ((0.0, False), (0.01, True)):
+        seen.clear()
+        metrics = make_trainer([f"actor.entropy_coeff={coeff}", f"model.use_fused_kernels={fused}"]).train_step()
+        assert metrics["actor/entropy"] > 0
+        assert seen and all(s == differentiated for s in seen), (coeff, seen)
+
+
 def test_the_progress_bar_shows_the_kl_to_the_reference_when_one_is_computed():
     plain = make_trainer().train_step()
     assert list(refppo.trainer.bar_fields(plain)) == ["score", "ppo_kl", "step_s"]

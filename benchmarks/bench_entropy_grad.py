@@ -1,0 +1,75 @@
+"""The actor's log-prob pass, forward + backward, with the entropy logged: in the loss with
+coefficient 0 (what refppo's actor loss did before) vs logged only (what it does now, as verl
+does), side by side in one run. Both give the same gradient, bit for bit (asserted).
+
+With ``entropy_coeff = 0`` the entropy term adds nothing, but while it is in the loss autograd
+hands the chunked log-softmax a zero gradient for it, and the backward pass computes the
+entropy's gradient (p * (z - E_p[z]), a few passes over every chunk of logits) to multiply it by
+zero. Logged only, the backward pass gets None and skips that work.
+
+Usage: python benchmarks/bench_entropy_grad.py [--device cpu|cuda] [--dtype float32|bfloat16]
+       [--tokens N] [--vocab V] [--hidden H (> 0: from hidden states, model.use_fused_kernels)]
+       [--repeats R]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from refppo.functional import logprobs_from_hidden, logprobs_from_logits
+
+
+def step(inputs, labels, weights, entropy_in_loss: bool, hidden: bool):
+    """One forward + backward of sum(w * log p) (+ 0 * sum(entropy)); returns the input gradients."""
+    x = [t.detach().requires_grad_() for t in inputs]
+    fn = logprobs_from_hidden if hidden else logprobs_from_logits
+    logp, ent = fn(*x, labels, calculate_entropy=True)
+    loss = (weights * logp).sum()
+    if entropy_in_loss:
+        loss = loss - 0.0 * ent.sum()
+    loss.backward()
+    return [t.grad for t in x]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--hidden", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, a.dtype)
+    shapes = [(a.tokens, a.hidden), (a.vocab, a.hidden)] if a.hidden else [(a.tokens, a.vocab)]
+    # Logits of a few nats' spread, as bench_logprobs.py draws them (wider ones fill the softmax
+    # with denormals, slow on a CPU for reasons that have nothing to do with the entropy).
+    scale = a.hidden**-0.25 if a.hidden else 2.0
+    inputs = [(torch.randn(s, generator=gen) * scale).to(a.device, dtype) for s in shapes]
+    labels = torch.randint(0, a.vocab, (a.tokens,), generator=gen).to(a.device)
+    weights = torch.randn(a.tokens, generator=gen).to(a.device)
+    hidden = a.hidden > 0
+    first = [step(inputs, labels, weights, flag, hidden) for flag in (True, False)]
+    assert all(torch.equal(g0, g1) for g0, g1 in zip(*first)), "the two variants' gradients differ"
+    times = {True: [], False: []}
+    for _ in range(a.repeats):
+        for flag in (True, False):
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(inputs, labels, weights, flag, hidden)
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            times[flag].append(time.perf_counter() - t0)
+    before, after = statistics.median(times[True]), statistics.median(times[False])
+    print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
+          f"threads={torch.get_num_threads()} median of {a.repeats}, gradients equal")
+    print(f"entropy in the loss x 0: {before * 1e3:.0f} ms   logged only: {after * 1e3:.0f} ms   "
+          f"speed-up {before / after:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
