@@ -132,17 +132,20 @@ def build(name: str, device: str, seed: int = 0, extra: tuple[str, ...] = ()) ->
     )
 
 
-def time_refppo(name: str, device: str, steps: int, extra: tuple[str, ...] = ()) -> dict:
-    """refppo: seconds of the warm-up step and of ``steps`` more, and the median phase times."""
+def time_refppo(name: str, device: str, steps: int, extra: tuple[str, ...] = (), on_step_end=None) -> dict:
+    """refppo: seconds of the warm-up step and of ``steps`` more, and the median phase times.
+    ``on_step_end(i)``, if given, runs after step i's time is taken (0 is the warm-up step)."""
     trainer = build(name, device, extra=extra)
     times, metrics = [], []
-    for _ in range(steps + 1):
+    for i in range(steps + 1):
         start = time.perf_counter()
         m = trainer.train_step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         metrics.append(m)
+        if on_step_end is not None:
+            on_step_end(i)
     phases = {
         k.removeprefix("timing_s/"): statistics.median(m[k] for m in metrics[1:])
         for k in metrics[0]
@@ -173,12 +176,12 @@ def trl_sizes(name: str) -> dict:
     )
 
 
-def time_trl(name: str, device: str, steps: int) -> dict:
+def time_trl(name: str, device: str, steps: int, on_step_end=None) -> dict:
     """TRL 0.29.1's PPO trainer on the same models, prompts and sizes: seconds per step from its
     step-end callbacks. Responses run to the full length (no stop token), KL in the reward (k1,
     the same coefficient), the reference a frozen copy of the actor, no gradient checkpointing.
     On CUDA its whole loop runs under bf16 autocast, as refppo's forward passes do (TRL's own
-    ``bf16`` flag leaves generation in float32)."""
+    ``bf16`` flag leaves generation in float32). ``on_step_end`` as in :func:`time_refppo`."""
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     import datasets
     import transformers
@@ -197,6 +200,8 @@ def time_trl(name: str, device: str, steps: int) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter())
+            if on_step_end is not None:
+                on_step_end(len(times) - 2)
 
     train = datasets.Dataset.from_dict({"input_ids": m["ids"].tolist()})
     precision = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else contextlib.nullcontext()

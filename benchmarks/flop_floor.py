@@ -1,0 +1,172 @@
+"""The arithmetic floor of a PPO step: the least time any code doing a step's matrix products
+could take on this machine, beside the step's measured time.
+
+For a workload of ``bench_ppo_step.py`` and an implementation (refppo or TRL), one step after the
+warm-up step is recorded: every call of a matrix product or attention op (the ops torch's
+``FlopCounterMode`` counts, and on a CPU its flash-attention kernels) with its arguments'
+shapes, strides and dtypes. Each distinct call is then replayed alone on random tensors of the
+same layout, and the floor is the sum over the step's calls of their replayed times: the step
+with nothing but its products, each at the speed this machine gives it in isolation. The step's
+own time is the median of the steps after the recorded one, in the same process.
+
+So ``floor_s / step_s`` is the share of a step that its arithmetic must take, and a goal of
+``k`` x another implementation's speed is out of reach for any code doing this step's products
+when ``floor_s`` exceeds the other's step time / k.
+
+Usage: python benchmarks/flop_floor.py [--workloads W1,W2] [--impls refppo,trl] [--steps 3]
+       [--threads N] [--device cpu|cuda] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from bench_ppo_step import WORKLOADS, time_refppo, time_trl
+
+aten = torch.ops.aten
+# A CPU's scaled-dot-product attention runs these, which FlopCounterMode does not count.
+CPU_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape)
+    ),
+}  # fmt: skip
+
+
+def _layout(value):
+    """A hashable stand-in for an op argument: a tensor's (shape, stride, dtype, device), else itself."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, str(value.device))
+    if isinstance(value, (list, tuple)):
+        return tuple(_layout(v) for v in value)
+    return value
+
+
+def _materialise(layout):
+    """Random arguments with a recorded layout (floating tensors normal, others zero)."""
+    if isinstance(layout, tuple) and layout[:1] == ("tensor",):
+        _, shape, stride, dtype, device = layout
+        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+        base = torch.empty(size, dtype=dtype, device=device)  # filled first: strides may overlap
+        base = base.normal_() if base.is_floating_point() else base.zero_()
+        return base.as_strided(shape, stride)
+    if isinstance(layout, tuple):
+        return tuple(_materialise(v) for v in layout)
+    return layout
+
+
+class ProductRecorder(TorchDispatchMode):
+    """Counts every call of a matrix-product or attention op by its arguments' layout, with its
+    FLOPs (attention counted as if unmasked, as torch's counter does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+        self.flops: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._overloadpacket in CPU_ATTENTION:
+            flops = CPU_ATTENTION[func._overloadpacket](*args, **kwargs)
+        elif func._overloadpacket in flop_registry:
+            flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        else:
+            return out
+        key = (func, _layout(args), tuple(sorted((k, _layout(v)) for k, v in kwargs.items())))
+        self.calls[key] += 1
+        self.flops[key] = flops
+        return out
+
+
+def replay_seconds(key, device: str, repeats: int = 5) -> float:
+    """Median seconds of one recorded call, replayed alone on random tensors of its layout."""
+    func, args, kwargs = key
+    args, kwargs = _materialise(args), {k: _materialise(v) for k, v in kwargs}
+    times = []
+    for i in range(repeats + 2):  # two warm-up calls
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        func(*args, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def floor(impl: str, name: str, device: str, steps: int) -> dict:
+    """One implementation on one workload: the recorded step's FLOPs and floor, and the median
+    of the ``steps`` steps after it."""
+    recorder = ProductRecorder()
+
+    def on_step_end(i: int) -> None:  # record step 1, the first after the warm-up
+        if i == 0:
+            recorder.__enter__()
+        elif i == 1:
+            recorder.__exit__(None, None, None)
+
+    run = time_refppo if impl == "refppo" else time_trl
+    step_s = statistics.median(run(name, device, steps + 1, on_step_end=on_step_end)["step_s_all"][1:])
+    with torch.no_grad():
+        seconds = {key: replay_seconds(key, device) for key in recorder.calls}
+    total = {key: n * seconds[key] for key, n in recorder.calls.items()}
+    floor_s = sum(total.values())
+    flops = sum(n * recorder.flops[key] for key, n in recorder.calls.items())
+    slowest = sorted(total, key=total.get, reverse=True)[:5]
+    return {
+        "impl": impl, "workload": name, "device": device, "threads": torch.get_num_threads(),
+        "gflop_per_step": flops / 1e9, "calls": sum(recorder.calls.values()), "distinct_calls": len(recorder.calls),
+        "floor_s": floor_s, "floor_gflop_per_s": flops / 1e9 / floor_s, "step_s": step_s,
+        "floor_share_of_step": floor_s / step_s,
+        "slowest": [f"{k[0]} {[a[1] for a in k[1] if isinstance(a, tuple) and a[:1] == ('tensor',)]} "
+                    f"x{recorder.calls[k]}: {total[k]:.3f} s" for k in slowest],
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="W1,W2")
+    parser.add_argument("--impls", default="refppo,trl", help="refppo, trl or both (trl needs .[bench])")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the recorded one")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    impls, names = args.impls.split(","), args.workloads.split(",")
+    if unknown := set(impls) - {"refppo", "trl"}:
+        parser.error(f"--impls: unknown {sorted(unknown)}; choose from refppo, trl")
+    if unknown := set(names) - set(WORKLOADS):
+        parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    for name in names:
+        for impl in impls:
+            r = floor(impl, name, args.device, args.steps)
+            results.append(r)
+            print(
+                f"{name} {impl}: {r['gflop_per_step']:.1f} GFLOP a step in {r['calls']} calls "
+                f"({r['distinct_calls']} distinct); those calls alone {r['floor_s']:.3f} s "
+                f"({r['floor_gflop_per_s']:.0f} GFLOP/s); the step {r['step_s']:.3f} s, "
+                f"{r['floor_share_of_step']:.0%} of it the floor",
+                flush=True,
+            )
+            for line in r["slowest"]:
+                print("   ", line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
