@@ -518,7 +518,13 @@ def response_log_probs(
             hidden = hidden[:, -width - 1 : -1]
             out = logprobs_from_hidden(hidden, weight, labels, temperature, calculate_entropy=calculate_entropy)
     else:
-        logits = _forward(model, batch, logits_to_keep=width + 1).logits[:, :-1]
+        # The positions as an index tensor, not a count: the head then reads a contiguous copy of
+        # them, not a strided slice, whose matrix-product path torch picks by the weight's
+        # requires_grad; some BLAS kernels (MKL's AVX2 ones) round the two paths differently, and
+        # a trainable actor and its frozen reference would then differ at step 0.
+        length = batch["input_ids"].shape[1]
+        keep = torch.arange(length - width - 1, length - 1, device=model.device)
+        logits = _forward(model, batch, logits_to_keep=keep).logits
         out = logprobs_from_logits(logits, labels, temperature, calculate_entropy=calculate_entropy)
     log_probs, entropy = out if calculate_entropy else (out, None)
     return log_probs.masked_fill(~mask, 0.0), entropy.masked_fill(~mask, 0.0) if calculate_entropy else None

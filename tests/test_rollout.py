@@ -1,4 +1,7 @@
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -65,6 +68,33 @@ def test_first_ratio_is_one(tok, models, kw):
         old = compute_log_probs(actor, batch, kw["temperature"], micro_batch_size=mbs)
         assert (old - batch["rollout_log_probs"]).abs().max().item() <= 1e-5
     assert torch.all(batch["rollout_log_probs"][batch["response_mask"] == 0] == 0)
+
+
+def test_a_trainable_actor_and_its_frozen_reference_give_equal_log_probs():
+    """At step 0 the actor is its reference and every KL term must be exactly 0. torch picks the
+    matrix-product path of a strided 3-D input by the weight's requires_grad, and MKL's AVX2
+    kernels round the two paths differently, so the check runs with those kernels forced (a
+    fresh process: MKL reads the setting when it loads; elsewhere the setting is ignored)."""
+    code = """
+import torch
+from refppo.models import load_causal_lm, make_reference, tiny_config
+from refppo.rollout import _sequence_batch, compute_log_probs
+from refppo.tasks.tokenizer import build_tokenizer
+tok = build_tokenizer()
+torch.manual_seed(0)
+actor = load_causal_lm(tiny_config(tok, hidden_size=128))
+reference = make_reference(actor)
+assert all(p.requires_grad for p in actor.parameters()) and not any(p.requires_grad for p in reference.parameters())
+ids = torch.randint(5, len(tok), (6, 30))
+mask = torch.ones_like(ids)
+mask[:2, :3] = 0
+batch = _sequence_batch(ids[:, :12], mask[:, :12], ids[:, 12:], torch.ones(6, 18, dtype=torch.long))
+a, r = compute_log_probs(actor, batch, 1.0), compute_log_probs(reference, batch, 1.0)
+print("equal" if torch.equal(a, r) else f"differ by {(a - r).abs().max().item():.1e}")
+"""
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "equal"
 
 
 def test_log_probs_values_scores_read_the_right_positions(tok, models):
