@@ -14,10 +14,11 @@ Usage: python benchmarks/bench_entropy_grad.py [--device cpu|cuda] [--dtype floa
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, result)
+from bench_logprobs import draw_inputs
 from refppo.functional import logprobs_from_hidden, logprobs_from_logits
 
 
@@ -42,28 +43,17 @@ def main():
     p.add_argument("--hidden", type=int, default=0)
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    dtype = getattr(torch, a.dtype)
-    shapes = [(a.tokens, a.hidden), (a.vocab, a.hidden)] if a.hidden else [(a.tokens, a.vocab)]
-    # Logits of a few nats' spread, as bench_logprobs.py draws them (wider ones fill the softmax
-    # with denormals, slow on a CPU for reasons that have nothing to do with the entropy).
-    scale = a.hidden**-0.25 if a.hidden else 2.0
-    inputs = [(torch.randn(s, generator=gen) * scale).to(a.device, dtype) for s in shapes]
-    labels = torch.randint(0, a.vocab, (a.tokens,), generator=gen).to(a.device)
-    weights = torch.randn(a.tokens, generator=gen).to(a.device)
+    torch.manual_seed(0)
+    inputs = draw_inputs(a.tokens, a.vocab, a.hidden, a.device, a.dtype)
+    labels = torch.randint(0, a.vocab, (a.tokens,), device=a.device)
+    weights = torch.randn(a.tokens, device=a.device)
     hidden = a.hidden > 0
     first = [step(inputs, labels, weights, flag, hidden) for flag in (True, False)]
     assert all(torch.equal(g0, g1) for g0, g1 in zip(*first)), "the two variants' gradients differ"
     times = {True: [], False: []}
-    for _ in range(a.repeats):
+    for _ in range(a.repeats):  # alternating, one call at a time
         for flag in (True, False):
-            if a.device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(inputs, labels, weights, flag, hidden)
-            if a.device == "cuda":
-                torch.cuda.synchronize()
-            times[flag].append(time.perf_counter() - t0)
+            times[flag].append(timed(lambda: step(inputs, labels, weights, flag, hidden), a.device, 1)[0])
     before, after = statistics.median(times[True]), statistics.median(times[False])
     print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
           f"threads={torch.get_num_threads()} median of {a.repeats}, gradients equal")

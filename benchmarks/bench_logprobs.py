@@ -57,11 +57,17 @@ def peak_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def draw_inputs(tokens, vocab, hidden, device, dtype):
+    """[(tokens, vocab) logits], or [(tokens, hidden) hidden states, (vocab, hidden) head] when
+    ``hidden`` > 0, with logits of a few nats' spread (wider ones fill the softmax with denormals,
+    slow on a CPU). Filled in place: a temporary copy would raise a memory baseline taken after."""
+    shapes = [(tokens, hidden), (vocab, hidden)] if hidden else [(tokens, vocab)]
+    return [torch.empty(shape, device=device, dtype=getattr(torch, dtype)).normal_(0, hidden**-0.25 if hidden else 2.0) for shape in shapes]
+
+
 def measure(variant, backward, device, dtype, tokens, vocab, hidden, repeats):
     fn = VARIANTS[variant]
-    # Filled in place: a temporary copy here would raise the baseline peak and hide the cost.
-    shapes = [(tokens, hidden), (vocab, hidden)] if hidden else [(tokens, vocab)]
-    inputs = [torch.empty(shape, device=device, dtype=getattr(torch, dtype)).normal_(0, hidden**-0.25 if hidden else 2.0) for shape in shapes]
+    inputs = draw_inputs(tokens, vocab, hidden, device, dtype)
     labels = torch.randint(0, vocab, (tokens,), device=device)
     for x in inputs:
         x.requires_grad_(backward)

@@ -274,6 +274,25 @@ def summary(results: list[dict]) -> list[dict]:
     return rows
 
 
+def checked_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """``--impls`` and ``--workloads`` as lists, after refusing what cannot run, before any work:
+    an unknown name, TRL not installed, a workload TRL cannot run."""
+    impls, names = args.impls.split(","), args.workloads.split(",")
+    if unknown := set(impls) - {"refppo", "trl"}:
+        parser.error(f"--impls: unknown {sorted(unknown)}; choose from refppo, trl")
+    if unknown := set(names) - set(WORKLOADS):
+        parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
+    if "trl" in impls:
+        if importlib.util.find_spec("trl") is None:
+            parser.error('TRL is not installed: pip install -e ".[bench]", or run --impls refppo')
+        for name in names:
+            try:
+                trl_sizes(name)
+            except ValueError as e:
+                parser.error(str(e))
+    return impls, names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W2")
@@ -288,19 +307,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    impls, names = args.impls.split(","), args.workloads.split(",")
-    if unknown := set(impls) - {"refppo", "trl"}:
-        parser.error(f"--impls: unknown {sorted(unknown)}; choose from refppo, trl")
-    if unknown := set(names) - set(WORKLOADS):
-        parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
-    if "trl" in impls:  # refuse what cannot run before any work
-        if importlib.util.find_spec("trl") is None:
-            parser.error('TRL is not installed: pip install -e ".[bench]", or run --impls refppo')
-        for name in names:
-            try:
-                trl_sizes(name)
-            except ValueError as e:
-                parser.error(str(e))
+    impls, names = checked_choices(parser, args)
     if args.worker:
         results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides))]
     else:

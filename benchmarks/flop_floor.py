@@ -23,13 +23,13 @@ import argparse
 import collections
 import json
 import statistics
-import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from bench_ppo_step import WORKLOADS, time_refppo, time_trl
+from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, result)
+from bench_ppo_step import checked_choices, time_refppo, time_trl
 
 aten = torch.ops.aten
 # A CPU's scaled-dot-product attention runs these, which FlopCounterMode does not count.
@@ -50,9 +50,13 @@ def _layout(value):
     return value
 
 
+def _is_tensor(layout) -> bool:
+    return isinstance(layout, tuple) and layout[:1] == ("tensor",)
+
+
 def _materialise(layout):
     """Random arguments with a recorded layout (floating tensors normal, others zero)."""
-    if isinstance(layout, tuple) and layout[:1] == ("tensor",):
+    if _is_tensor(layout):
         _, shape, stride, dtype, device = layout
         size = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
         base = torch.empty(size, dtype=dtype, device=device)  # filled first: strides may overlap
@@ -91,17 +95,8 @@ def replay_seconds(key, device: str, repeats: int = 5) -> float:
     """Median seconds of one recorded call, replayed alone on random tensors of its layout."""
     func, args, kwargs = key
     args, kwargs = _materialise(args), {k: _materialise(v) for k, v in kwargs}
-    times = []
-    for i in range(repeats + 2):  # two warm-up calls
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        func(*args, **kwargs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    timed(lambda: func(*args, **kwargs), device, 2)  # warm-up
+    return timed(lambda: func(*args, **kwargs), device, repeats)[0]
 
 
 def floor(impl: str, name: str, device: str, steps: int) -> dict:
@@ -128,7 +123,7 @@ def floor(impl: str, name: str, device: str, steps: int) -> dict:
         "gflop_per_step": flops / 1e9, "calls": sum(recorder.calls.values()), "distinct_calls": len(recorder.calls),
         "floor_s": floor_s, "floor_gflop_per_s": flops / 1e9 / floor_s, "step_s": step_s,
         "floor_share_of_step": floor_s / step_s,
-        "slowest": [f"{k[0]} {[a[1] for a in k[1] if isinstance(a, tuple) and a[:1] == ('tensor',)]} "
+        "slowest": [f"{k[0]} {[a[1] for a in k[1] if _is_tensor(a)]} "
                     f"x{recorder.calls[k]}: {total[k]:.3f} s" for k in slowest],
     }  # fmt: skip
 
@@ -142,11 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
-    impls, names = args.impls.split(","), args.workloads.split(",")
-    if unknown := set(impls) - {"refppo", "trl"}:
-        parser.error(f"--impls: unknown {sorted(unknown)}; choose from refppo, trl")
-    if unknown := set(names) - set(WORKLOADS):
-        parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
+    impls, names = checked_choices(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
