@@ -94,7 +94,9 @@ def main():
     ratio = lambda key: statistics.median(results["rows"][key]) / statistics.median(results["tokens"][key])  # noqa: E731
     print(f"speed-up of the token budget: forward+backward {ratio('fwd_bwd'):.2f}x, log-probs {ratio('log_probs'):.2f}x; "
           f"max relative gradient difference {grad_diff:.1e}, max log-prob difference {lp_diff:.1e}")
-    assert results["tokens"]["largest"] <= budget and grad_diff < 1e-3 and lp_diff < 1e-3
+    # On CUDA the passes autocast to bf16, whose rounding differs between micro-batch widths.
+    tolerance = 1e-3 if args.device == "cpu" else 5e-2
+    assert results["tokens"]["largest"] <= budget and grad_diff < tolerance and lp_diff < tolerance, tolerance
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from refppo.checks import check_choice, check_ndim, check_same_shape, check_unit_interval
 from refppo.functional import last_valid_index, logprobs_from_hidden, logprobs_from_logits
@@ -39,6 +40,20 @@ def autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def trainable_forward(device: torch.device) -> Iterator[None]:
+    """The context of a forward pass that may be backpropagated: :func:`autocast`, and every
+    attention kernel but cuDNN's.
+
+    cuDNN's attention backward (torch 2.11 to 2.13, H100 and H200) returns NaN query gradients
+    when a mask is passed and the sequence is 64 tokens past a multiple of 128 wide, if a query
+    row attends to nothing (pytorch/pytorch#196678): the left padding of a ragged batch is such a
+    row. Flash and memory-efficient attention take its place; on a CPU the choice is unchanged.
+    """
+    with autocast(device), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -484,7 +499,7 @@ def _inputs(model, batch: dict[str, torch.Tensor]) -> dict:
 
 
 def _forward(model, batch: dict[str, torch.Tensor], **kwargs):
-    with autocast(model.device):
+    with trainable_forward(model.device):
         return model(**_inputs(model, batch), **kwargs)
 
 
@@ -513,7 +528,7 @@ def response_log_probs(
     if fused:
         from refppo.models import final_hidden_states
 
-        with autocast(model.device):
+        with trainable_forward(model.device):
             hidden, weight = final_hidden_states(model, **_inputs(model, batch))
             hidden = hidden[:, -width - 1 : -1]
             out = logprobs_from_hidden(hidden, weight, labels, temperature, calculate_entropy=calculate_entropy)

@@ -11,6 +11,7 @@ from _trainers import make_trainer
 from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.rollout import (
     StaticDecoder,
+    _sequence_batch,
     compute_log_probs,
     compute_scores,
     compute_values,
@@ -19,6 +20,8 @@ from refppo.rollout import (
     micro_batches,
     position_ids_from_mask,
     response_log_probs,
+    response_scores,
+    response_values,
     sample_next_token,
     split_micro_batches,
     token_budget_micro_batches,
@@ -399,6 +402,55 @@ def test_static_cache_decoding_equals_the_growing_cache(tok, arch):
 def test_cuda_graphs_refused_off_cuda(tok):
     with pytest.raises(ValueError, match="rollout.cuda_graphs=true needs the actor on a CUDA device"):
         make_trainer(["rollout.cuda_graphs=true"])
+
+
+def test_trainable_passes_leave_cudnn_attention_out(tok, models):
+    """Every forward pass that may be backpropagated (log-probs, fused or not, values, scores) runs
+    its attention with cuDNN's kernel disabled (its backward's NaN, pytorch/pytorch#196678), and
+    the setting is restored after."""
+    actor, critic, reward_model = models
+    batch = _rollout(tok, actor)
+    seen = []
+    attentions = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
+    hooks = [m.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled())) for m in attentions]
+    try:
+        response_log_probs(actor, batch)
+        response_log_probs(actor, batch, fused=True)
+        response_values(critic, batch)
+        response_scores(reward_model, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers = actor.config.num_hidden_layers
+    assert seen == [False] * 4 * layers
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.gpu
+def test_a_ragged_batch_gets_finite_gradients_on_cuda(tok):
+    """A left-padded batch 320 = 2 x 128 + 64 tokens wide, where cuDNN's attention backward
+    returns NaN (pytorch/pytorch#196678): every gradient is finite and agrees with the float32
+    CPU gradient to bf16 noise."""
+    torch.manual_seed(0)
+    config = tiny_config(tok, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cpu = load_causal_lm(config)
+    gpu = load_causal_lm(config, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    g = torch.Generator().manual_seed(0)
+    pads, lengths = torch.tensor([0, 40, 10, 60, 5, 33, 20, 50]), torch.tensor([256, 8, 100, 200, 64, 17, 250, 130])
+    prompt_mask = (torch.arange(64) >= pads[:, None]).long()
+    response_mask = (torch.arange(256) < lengths[:, None]).long()
+    prompts = torch.randint(4, len(tok), (8, 64), generator=g).masked_fill(prompt_mask == 0, tok.pad_token_id)
+    responses = torch.randint(4, len(tok), (8, 256), generator=g).masked_fill(response_mask == 0, tok.pad_token_id)
+    batch = _sequence_batch(prompts, prompt_mask, responses, response_mask)
+    grads = []
+    for model in (cpu, gpu):
+        log_probs, _ = response_log_probs(model, {k: v.to(model.device) for k, v in batch.items()})
+        log_probs.sum().backward()
+        grads.append(torch.cat([p.grad.flatten().float().cpu() for p in model.parameters()]))
+    assert torch.isfinite(grads[1]).all(), f"{int((~torch.isfinite(grads[1])).sum())} non-finite gradient entries"
+    relative = float((grads[1] - grads[0]).norm() / grads[0].norm())
+    assert relative < 3e-2, relative
 
 
 @pytest.mark.gpu
