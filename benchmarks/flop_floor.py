@@ -32,13 +32,33 @@ from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, re
 from bench_ppo_step import checked_choices, time_refppo, time_trl
 
 aten = torch.ops.aten
-# A CPU's scaled-dot-product attention runs these, which FlopCounterMode does not count.
-CPU_ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: (
-        lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape)
-    ),
+# Scaled-dot-product attention ops, forward (query first) and backward (gradient, then query).
+# A CPU's flash kernels are not in torch's flop registry; the others are, but before torch 2.13 its
+# formulas refuse grouped-query shapes (fewer key/value heads than query heads), which Qwen2.5 has.
+ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu: False,
+    aten._scaled_dot_product_flash_attention: False,
+    aten._scaled_dot_product_efficient_attention: False,
+    aten._scaled_dot_product_cudnn_attention: False,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: True,
+    aten._scaled_dot_product_flash_attention_backward: True,
+    aten._scaled_dot_product_efficient_attention_backward: True,
+    aten._scaled_dot_product_cudnn_attention_backward: True,
 }  # fmt: skip
+
+
+def attention_flops(func, args) -> int:
+    """FLOPs of one attention call, counted as torch's counter counts them (as if unmasked), with
+    grouped keys and values counted at the query's head count: the products each query head does.
+
+    Args:
+        func: an op of ``ATTENTION``; args: its arguments, (B, H, L, D) query, key and value first
+            (after the output gradient for a backward op).
+    """
+    backward = ATTENTION[func._overloadpacket]
+    q, k, v = (args[i].shape for i in range(int(backward), int(backward) + 3))
+    k, v = (s[:1] + q[1:2] + s[2:] for s in (k, v))
+    return sdpa_backward_flop_count(args[0].shape, q, k, v) if backward else sdpa_flop_count(q, k, v)
 
 
 def _layout(value):
@@ -79,8 +99,8 @@ class ProductRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func._overloadpacket in CPU_ATTENTION:
-            flops = CPU_ATTENTION[func._overloadpacket](*args, **kwargs)
+        if func._overloadpacket in ATTENTION:
+            flops = attention_flops(func, args)
         elif func._overloadpacket in flop_registry:
             flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         else:

@@ -68,3 +68,17 @@ def test_a_recorded_call_replays():
     (key,) = recorder.calls
     assert recorder.flops[key] == 2 * 8 * 16 * 4
     assert replay_seconds(key, "cpu", repeats=3) > 0
+
+
+def test_grouped_query_attention_counts_every_query_head():
+    """Keys and values shared by groups of query heads (enable_gqa; Qwen2.5's 14 query heads read 2
+    key/value heads): each query head still does its products (torch's formulas refused these shapes
+    before 2.13; on the H100's torch 2.11 the recorder failed on W3)."""
+    q = torch.randn(1, 4, 5, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(2))
+
+    def step():
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True).sum().backward()
+
+    product = 2 * 1 * 4 * 5 * 6 * 8  # one (5 x 8) @ (8 x 6)-sized product per query head
+    assert total_flops(recorded(step)) == 2 * product + 5 * product  # forward QK^T, PV; backward as above
