@@ -56,6 +56,72 @@ def trainable_forward(device: torch.device) -> Iterator[None]:
         yield
 
 
+DECODE_ATTENTION = "refppo_grouped_decode"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA whose one-token queries attend to the key/value heads in place, without copying them.
+
+    transformers' SDPA path copies each key/value head to the query heads of its group
+    (``repeat_kv``) whenever a mask is passed and the code is compiled (and on transformers before
+    5.23 always): for a decoding step that is the whole KV cache, copied and read again in every
+    layer. Here the ``G`` query heads of a group become ``G`` query rows of their key/value head,
+    so the cache is read once; attention is the same arithmetic. Any other call (a prompt, a
+    training pass, no groups, a position bias, or no mask, where transformers lets SDPA broadcast
+    the heads itself) goes to transformers' SDPA function unchanged.
+
+    Args:
+        module: the attention layer (``num_key_value_groups`` = G = Hq / Hkv).
+        query: (B, Hq, 1, D); key, value: (B, Hkv, S, D).
+        attention_mask: (B, 1, 1, S) bool (True = attend) or additive float, or None.
+        dropout, scaling, **kwargs: as transformers' attention functions take them.
+
+    Returns:
+        (B, 1, Hq, D) attention output and None (no attention weights).
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    one_mask = attention_mask is not None and attention_mask.shape[1] == 1
+    if query.shape[2] != 1 or groups == 1 or not one_mask or kwargs.get("position_bias") is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    batch, heads, _, dim = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, heads // groups, groups, dim), key, value,
+        attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+    )  # fmt: skip
+    return out.reshape(batch, heads, 1, out.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_decode_attention() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, grouped_decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def decode_attention(model) -> Iterator[None]:
+    """While decoding: a model that runs SDPA attends with :func:`grouped_decode_attention`.
+
+    The switch is the model's ``config._attn_implementation`` (which compiled steps are keyed
+    on), restored on exit; a model that runs another attention (eager, flash) is left alone.
+    """
+    config = getattr(model, "config", None)  # None: an adapter-disabled reference
+    saved = getattr(config, "_attn_implementation", None)
+    if saved != "sdpa":
+        yield
+        return
+    _register_decode_attention()
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack token-id lists into a left-padded batch.
 
@@ -274,7 +340,8 @@ def generate(
 
     A row stops at its first EOS (the EOS is part of the response and of ``response_mask``);
     later slots hold pad with mask 0 and log-prob 0. Decoding stops early once every row has
-    stopped, so R <= ``max_new_tokens``.
+    stopped, so R <= ``max_new_tokens``. Attention runs under :func:`decode_attention`: a
+    decoding step reads the KV cache's key/value heads in place.
 
     Args:
         model: a causal LM (or the reference view of a LoRA actor).
@@ -326,26 +393,27 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     hit_eos = torch.zeros_like(done)
     tokens, valid, log_probs = [], [], []
-    with autocast(device):
-        out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs(0, width))
-    for step in range(max_new_tokens):
-        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
-        is_valid = ~done
-        token = token.masked_fill(done, pad_token_id)
-        tokens.append(token)
-        valid.append(is_valid)
-        log_probs.append(logp.masked_fill(done, 0.0))
-        hit_eos |= is_valid & torch.isin(token, eos_ids)
-        if not ignore_eos:
-            done = hit_eos
-        if step == max_new_tokens - 1 or (not ignore_eos and (step + 1) % check_every == 0 and bool(done.all())):
-            break
-        # Finished rows keep decoding pad; their outputs are discarded.
+    with decode_attention(model):
         with autocast(device):
-            out = step_model(
-                input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True,
-                **inputs(width + step, width + step + 1),
-            )  # fmt: skip
+            out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs(0, width))
+        for step in range(max_new_tokens):
+            token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
+            is_valid = ~done
+            token = token.masked_fill(done, pad_token_id)
+            tokens.append(token)
+            valid.append(is_valid)
+            log_probs.append(logp.masked_fill(done, 0.0))
+            hit_eos |= is_valid & torch.isin(token, eos_ids)
+            if not ignore_eos:
+                done = hit_eos
+            if step == max_new_tokens - 1 or (not ignore_eos and (step + 1) % check_every == 0 and bool(done.all())):
+                break
+            # Finished rows keep decoding pad; their outputs are discarded.
+            with autocast(device):
+                out = step_model(
+                    input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True,
+                    **inputs(width + step, width + step + 1),
+                )  # fmt: skip
 
     valid = torch.stack(valid, dim=1)
     # Steps after every row finished (between two checks) hold only padding: drop them.

@@ -8,14 +8,18 @@ import pytest
 import torch
 from _trainers import make_trainer
 
-from refppo.models import load_causal_lm, load_value_model, tiny_config
+from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
 from refppo.rollout import (
+    DECODE_ATTENTION,
     StaticDecoder,
     _sequence_batch,
+    _static_cache_class,
     compute_log_probs,
     compute_scores,
     compute_values,
+    decode_attention,
     generate,
+    grouped_decode_attention,
     left_pad,
     micro_batches,
     position_ids_from_mask,
@@ -397,6 +401,117 @@ def test_static_cache_decoding_equals_the_growing_cache(tok, arch):
         static = _rollout(tok, actor, do_sample=False, generator=None, decoder=decoder)
     assert torch.equal(static["responses"], eager["responses"])
     torch.testing.assert_close(static["rollout_log_probs"], eager["rollout_log_probs"], rtol=0, atol=0.02)
+
+
+def _plain_attention(query, key, value, mask, scale):
+    """float64 attention, one query head at a time, head h reading key/value head h // G."""
+    batch, heads, length, _ = query.shape
+    groups = heads // key.shape[1]
+    out = torch.zeros(batch, length, heads, value.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            scores = query[b, h].double() @ key[b, h // groups].double().T * scale
+            scores = scores.masked_fill(~mask[b, 0], -math.inf)
+            out[b, :, h] = scores.softmax(dim=-1) @ value[b, h // groups].double()
+    return out
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_grouped_decode_attention_equals_plain_attention(length):
+    """Query heads folded into their key/value head's rows (one-token queries), or handed to
+    transformers' SDPA (longer ones, or no mask): the same attention as head-by-head float64
+    arithmetic, with a boolean mask, the equivalent additive one, or none."""
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, slots, dim = 3, 6, 2, 9, 8
+    query = torch.randn(batch, heads, length, dim, generator=g)
+    key, value = torch.randn(2, batch, kv_heads, slots, dim, generator=g)
+    mask = torch.rand(batch, 1, length, slots, generator=g) < 0.7
+    mask[..., 0] = True  # every query attends to something
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=False)
+    expected = _plain_attention(query, key, value, mask, 0.3)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, -math.inf)
+    for attention_mask in (mask, additive):
+        out, weights = grouped_decode_attention(module, query, key, value, attention_mask, scaling=0.3)
+        assert out.shape == (batch, length, heads, dim) and weights is None
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+    unmasked, _ = grouped_decode_attention(module, query, key, value, None, scaling=0.3)
+    torch.testing.assert_close(unmasked.double(), _plain_attention(query, key, value, torch.ones_like(mask), 0.3), rtol=0, atol=1e-5)
+
+
+def _attention_calls(model):
+    """Hooks recording, per attention call, the query length and the attention it ran."""
+    calls = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda m, args, kw: calls.append((kw["hidden_states"].shape[1], m.config._attn_implementation)),
+            with_kwargs=True,
+        )
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention")
+    ]
+    return calls, hooks
+
+
+def test_generate_decodes_with_the_grouped_attention_and_restores_the_model(tok):
+    """Every attention call of generate (the prompt and each new token) runs under the grouped
+    decode attention, a LoRA actor's too; afterwards, or after an error inside, the model is back
+    on SDPA. A model on eager attention is left alone."""
+    torch.manual_seed(0)
+    actor = load_causal_lm(tiny_config(tok))
+    calls, hooks = _attention_calls(actor)
+    try:
+        batch = _rollout(tok, actor, max_new_tokens=5, ignore_eos=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers = actor.config.num_hidden_layers
+    assert [length for length, _ in calls] == [batch["prompts"].shape[1]] * layers + [1] * 4 * layers
+    assert {name for _, name in calls} == {DECODE_ATTENTION}
+    assert actor.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="boom"), decode_attention(actor):
+        raise RuntimeError("boom")
+    assert actor.config._attn_implementation == "sdpa"
+    eager = load_causal_lm(tiny_config(tok, attn_implementation="eager"))
+    with decode_attention(eager):
+        assert eager.config._attn_implementation == "eager"
+    lora = add_lora(actor)
+    calls, hooks = _attention_calls(lora)
+    try:
+        _rollout(tok, lora, max_new_tokens=2)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls and {name for _, name in calls} == {DECODE_ATTENTION}
+    assert actor.config._attn_implementation == "sdpa"
+
+
+def test_compiled_decoding_reads_the_cache_without_copying_heads(tok):
+    """Traced by torch.compile (as the CUDA-graph decoder is), a decoding step's attention gets
+    the cache's 2 key/value heads, not copies for the 4 query heads that transformers' own SDPA
+    path makes under compilation; its logits equal the uncompiled step's."""
+    torch.manual_seed(0)
+    actor = load_causal_lm(tiny_config(tok))
+    rows, slots = 3, 8
+    key_heads = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.nn.functional.scaled_dot_product_attention:
+                key_heads.append(node.args[1].meta["example_value"].shape[1])
+        return gm
+
+    step = torch.compile(actor, backend=backend, fullgraph=True, dynamic=False)
+    inputs = dict(
+        input_ids=torch.full((rows, 1), 5), attention_mask=torch.ones(rows, slots, dtype=torch.long),
+        position_ids=torch.full((rows, 1), 2), cache_position=torch.tensor([2]), use_cache=True,
+    )  # fmt: skip
+    logits = []
+    for model in (step, actor):
+        cache = _static_cache_class()(config=actor.config, max_cache_len=slots)
+        with torch.no_grad(), decode_attention(actor):
+            logits.append(model(past_key_values=cache, **inputs).logits)
+    assert key_heads == [actor.config.num_key_value_heads] * actor.config.num_hidden_layers
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
 
 
 def test_cuda_graphs_refused_off_cuda(tok):
