@@ -18,10 +18,10 @@ Usage: python benchmarks/bench_decode.py [--device cpu|cuda] [--rows 16] [--prom
 import argparse
 import contextlib
 import statistics
-import time
 from unittest import mock
 
 import torch
+from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, result)
 from bench_ppo_step import QWEN_05B, word_tokenizer
 
 from refppo import rollout
@@ -43,16 +43,13 @@ def generate(side: str, actor, tok, prompts, decoder, response: int) -> tuple[fl
     """Greedy fixed-length generation on one side; (seconds, batch)."""
     attention = rollout.decode_attention if side == "grouped" else (lambda model: contextlib.nullcontext())
     with mock.patch.object(rollout, "decode_attention", attention):
-        if actor.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        batch = rollout.generate(
-            actor, prompts, torch.ones_like(prompts), tok.eos_token_id, tok.pad_token_id, response,
-            do_sample=False, ignore_eos=True, decoder=decoder,
+        return timed(
+            lambda: rollout.generate(
+                actor, prompts, torch.ones_like(prompts), tok.eos_token_id, tok.pad_token_id, response,
+                do_sample=False, ignore_eos=True, decoder=decoder,
+            ),
+            actor.device.type, 1,
         )  # fmt: skip
-        if actor.device.type == "cuda":
-            torch.cuda.synchronize()
-    return time.perf_counter() - start, batch
 
 
 def main() -> None:

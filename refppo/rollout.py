@@ -393,27 +393,26 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     hit_eos = torch.zeros_like(done)
     tokens, valid, log_probs = [], [], []
-    with decode_attention(model):
-        with autocast(device):
-            out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs(0, width))
-        for step in range(max_new_tokens):
-            token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
-            is_valid = ~done
-            token = token.masked_fill(done, pad_token_id)
-            tokens.append(token)
-            valid.append(is_valid)
-            log_probs.append(logp.masked_fill(done, 0.0))
-            hit_eos |= is_valid & torch.isin(token, eos_ids)
-            if not ignore_eos:
-                done = hit_eos
-            if step == max_new_tokens - 1 or (not ignore_eos and (step + 1) % check_every == 0 and bool(done.all())):
-                break
-            # Finished rows keep decoding pad; their outputs are discarded.
-            with autocast(device):
-                out = step_model(
-                    input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True,
-                    **inputs(width + step, width + step + 1),
-                )  # fmt: skip
+    with decode_attention(model), autocast(device):
+        out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs(0, width))
+    for step in range(max_new_tokens):
+        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
+        is_valid = ~done
+        token = token.masked_fill(done, pad_token_id)
+        tokens.append(token)
+        valid.append(is_valid)
+        log_probs.append(logp.masked_fill(done, 0.0))
+        hit_eos |= is_valid & torch.isin(token, eos_ids)
+        if not ignore_eos:
+            done = hit_eos
+        if step == max_new_tokens - 1 or (not ignore_eos and (step + 1) % check_every == 0 and bool(done.all())):
+            break
+        # Finished rows keep decoding pad; their outputs are discarded.
+        with decode_attention(model), autocast(device):
+            out = step_model(
+                input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True,
+                **inputs(width + step, width + step + 1),
+            )  # fmt: skip
 
     valid = torch.stack(valid, dim=1)
     # Steps after every row finished (between two checks) hold only padding: drop them.

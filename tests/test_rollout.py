@@ -1,3 +1,4 @@
+import contextlib
 import math
 import os
 import subprocess
@@ -438,18 +439,23 @@ def test_grouped_decode_attention_equals_plain_attention(length):
     torch.testing.assert_close(unmasked.double(), _plain_attention(query, key, value, torch.ones_like(mask), 0.3), rtol=0, atol=1e-5)
 
 
-def _attention_calls(model):
-    """Hooks recording, per attention call, the query length and the attention it ran."""
+
+
+@contextlib.contextmanager
+def _attention_calls(models, record):
+    """Yields a list that gets ``record(layer, kwargs)`` at every attention layer's call."""
     calls = []
-    hooks = [
-        m.register_forward_pre_hook(
-            lambda m, args, kw: calls.append((kw["hidden_states"].shape[1], m.config._attn_implementation)),
-            with_kwargs=True,
-        )
-        for m in model.modules()
-        if type(m).__name__.endswith("Attention")
-    ]
-    return calls, hooks
+    layers = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
+    hooks = [m.register_forward_pre_hook(lambda m, args, kw: calls.append(record(m, kw)), with_kwargs=True) for m in layers]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _length_and_attention(layer, kwargs):
+    return kwargs["hidden_states"].shape[1], layer.config._attn_implementation
 
 
 def test_generate_decodes_with_the_grouped_attention_and_restores_the_model(tok):
@@ -458,12 +464,8 @@ def test_generate_decodes_with_the_grouped_attention_and_restores_the_model(tok)
     on SDPA. A model on eager attention is left alone."""
     torch.manual_seed(0)
     actor = load_causal_lm(tiny_config(tok))
-    calls, hooks = _attention_calls(actor)
-    try:
+    with _attention_calls([actor], _length_and_attention) as calls:
         batch = _rollout(tok, actor, max_new_tokens=5, ignore_eos=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
     layers = actor.config.num_hidden_layers
     assert [length for length, _ in calls] == [batch["prompts"].shape[1]] * layers + [1] * 4 * layers
     assert {name for _, name in calls} == {DECODE_ATTENTION}
@@ -475,12 +477,8 @@ def test_generate_decodes_with_the_grouped_attention_and_restores_the_model(tok)
     with decode_attention(eager):
         assert eager.config._attn_implementation == "eager"
     lora = add_lora(actor)
-    calls, hooks = _attention_calls(lora)
-    try:
+    with _attention_calls([lora], _length_and_attention) as calls:
         _rollout(tok, lora, max_new_tokens=2)
-    finally:
-        for hook in hooks:
-            hook.remove()
     assert calls and {name for _, name in calls} == {DECODE_ATTENTION}
     assert actor.config._attn_implementation == "sdpa"
 
@@ -525,17 +523,11 @@ def test_trainable_passes_leave_cudnn_attention_out(tok, models):
     the setting is restored after."""
     actor, critic, reward_model = models
     batch = _rollout(tok, actor)
-    seen = []
-    attentions = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
-    hooks = [m.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled())) for m in attentions]
-    try:
+    with _attention_calls(models, lambda *_: torch.backends.cuda.cudnn_sdp_enabled()) as seen:
         response_log_probs(actor, batch)
         response_log_probs(actor, batch, fused=True)
         response_values(critic, batch)
         response_scores(reward_model, batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
     layers = actor.config.num_hidden_layers
     assert seen == [False] * 4 * layers
     assert torch.backends.cuda.cudnn_sdp_enabled()
