@@ -65,33 +65,42 @@ def state_bytes(n_params: int, trained: bool = True, precision: str = "bf16-mixe
     return {"weights": n_params * weights, "gradients": n_params * grads, "optimizer": n_params * optimizer}
 
 
-def activation_values_per_token(config) -> int:
+def activation_values_per_token(config, seq_len: int | None = None) -> int:
     """Values a Llama/Qwen2 decoder (``transformers``, SDPA attention) saves for the backward
     pass per token of a training forward, the vocabulary logits aside.
 
     Per layer, as autograd saves them: each RMSNorm keeps its input, the inverse RMS (one value),
-    the normalised input and its output (3h + 1, twice); attention keeps q (h), k and v (one
-    key-value width each), its output (h) and a log-sum-exp per head; the SwiGLU MLP keeps the
-    gate, its SiLU, the up projection and their product (4 x intermediate). The final RMSNorm
-    adds 3h + 1. Besides these, a micro-batch keeps the rotary tables (cos and sin: 2 x sequence
-    length x head_dim values, shared by its rows). Activation checkpointing keeps far less and
-    recomputes the rest in the backward pass.
+    the normalised input and its output (3h + 1, twice); attention keeps q, k, v, its output and
+    a log-sum-exp per head; the SwiGLU MLP keeps the gate, its SiLU, the up projection and their
+    product (4 x intermediate). The final RMSNorm adds 3h + 1. Without an attention mask k and v
+    are kept at their key-value width. With one (a batch with padding, as every PPO batch whose
+    prompts or responses differ in length; transformers drops a mask with nothing masked),
+    transformers copies k and v to every query head (``repeat_kv``) before attention and keeps the
+    copies, and each layer keeps the mask in the compute dtype: ``seq_len`` values per token.
+    Besides these, a micro-batch keeps the rotary tables (cos and sin: 2 x sequence length x
+    head_dim values, shared by its rows). Activation checkpointing keeps far less and recomputes
+    the rest in the backward pass.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
+        seq_len: the padded width of a micro-batch that carries an attention mask; None for a pass
+            without one.
 
     Returns:
         Values per token (multiply by tokens and bytes per value).
     """
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: a masked micro-batch is at least one token wide (None: no mask)")
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
-    kv = config.num_key_value_heads * head_dim
-    per_layer = 2 * (3 * h + 1) + h + 2 * kv + h + heads + 4 * i
+    q = heads * head_dim
+    kv = q if seq_len is not None else config.num_key_value_heads * head_dim
+    per_layer = 2 * (3 * h + 1) + q + 2 * kv + q + heads + 4 * i + (seq_len or 0)
     return layers * per_layer + 3 * h + 1
 
 
-def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: int = 2) -> int:
+def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: int = 2, seq_len: int | None = None) -> int:
     """Bytes a training forward pass keeps for the backward pass.
 
     Args:
@@ -100,12 +109,15 @@ def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: in
         logit_tokens: positions whose vocabulary logits are computed (the response tokens and
             the position before them).
         bytes_per_value: 2 for bf16, 4 for fp32.
+        seq_len: the micro-batch's padded width when it carries an attention mask (see
+            :func:`activation_values_per_token`); None without one.
 
     Returns:
         Bytes: the decoder's activations plus one float32 vocabulary row per logit position
         (the log-softmax works in float32).
     """
-    return tokens * activation_values_per_token(config) * bytes_per_value + logit_tokens * config.vocab_size * 4
+    values = activation_values_per_token(config, seq_len)
+    return tokens * values * bytes_per_value + logit_tokens * config.vocab_size * 4
 
 
 def _tensor_bytes(tensors) -> int:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from refppo.memory import PeakMeter, activation_bytes, held_bytes, param_count, state_bytes
+from refppo.memory import PeakMeter, activation_bytes, activation_values_per_token, held_bytes, param_count, state_bytes
 from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.rollout import build_batch, response_log_probs
 from refppo.tasks.tokenizer import build_tokenizer
@@ -62,17 +62,32 @@ def test_peak_meter_counts_new_storages_once_and_frees_them():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch):
+@pytest.mark.parametrize("padded", [False, True])
+def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded):
     config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=3)
+    assert config.num_key_value_heads < config.num_attention_heads, "grouped-query: k and v narrower than q"
     model = load_causal_lm(config, TOK)
     ids = torch.randint(4, len(TOK), (4, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0 if padded else 1  # left padding in one row; an all-ones mask is no mask
     with PeakMeter() as meter:
-        logits = model(input_ids=ids, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         kept = meter.now - logits.numel() * logits.element_size()  # the output is not an activation
         del logits
-    expected = activation_bytes(config, tokens=ids.numel(), logit_tokens=0, bytes_per_value=4)
+    seq_len = ids.shape[1] if padded else None
+    expected = activation_bytes(config, tokens=ids.numel(), logit_tokens=0, bytes_per_value=4, seq_len=seq_len)
     rotary = 2 * ids.shape[1] * (config.hidden_size // config.num_attention_heads) * 4  # cos and sin, shared by the rows
     assert kept == expected + rotary
+
+
+def test_a_mask_adds_the_copied_key_value_heads_and_the_mask_per_layer():
+    config = tiny_config(TOK, hidden_size=64, num_hidden_layers=3)
+    head_dim = config.hidden_size // config.num_attention_heads
+    copies = 2 * (config.num_attention_heads - config.num_key_value_heads) * head_dim
+    extra = activation_values_per_token(config, seq_len=10) - activation_values_per_token(config)
+    assert extra == config.num_hidden_layers * (copies + 10)
+    with pytest.raises(ValueError, match="seq_len=0"):
+        activation_values_per_token(config, seq_len=0)
 
 
 def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradients():
@@ -91,7 +106,8 @@ def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradie
     with PeakMeter() as meter:
         update()
     rows, width = batch["responses"].shape
-    act = activation_bytes(config, tokens=batch["input_ids"].numel(), logit_tokens=rows * (width + 1), bytes_per_value=4)
+    tokens, seq_len = batch["input_ids"].numel(), batch["input_ids"].shape[1]  # a padded batch: it carries a mask
+    act = activation_bytes(config, tokens, logit_tokens=rows * (width + 1), bytes_per_value=4, seq_len=seq_len)
     grads = held_bytes(model)["gradients"]
     # the backward pass frees activations while it creates gradients: the peak has all of one and part of the other
     assert act < meter.peak < act + grads, (meter.peak, act, grads)
