@@ -11,10 +11,11 @@ own time is the median of the steps after the recorded one, in the same process.
 
 So ``floor_s / step_s`` is the share of a step that its arithmetic must take, and a goal of
 ``k`` x another implementation's speed is out of reach for any code doing this step's products
-when ``floor_s`` exceeds the other's step time / k.
+when ``floor_s`` exceeds the other's step time / k. ``--replay-dtype bfloat16`` also replays the
+matrix products in bf16: whether running them so could lower the floor on this machine.
 
 Usage: python benchmarks/flop_floor.py [--workloads W1,W2] [--impls refppo,trl] [--steps 3]
-       [--threads N] [--device cpu|cuda] [--json out.json]
+       [--threads N] [--device cpu|cuda] [--json out.json] [--replay-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -74,16 +75,18 @@ def _is_tensor(layout) -> bool:
     return isinstance(layout, tuple) and layout[:1] == ("tensor",)
 
 
-def _materialise(layout):
-    """Random arguments with a recorded layout (floating tensors normal, others zero)."""
+def _materialise(layout, dtype=None):
+    """Random arguments with a recorded layout (floating tensors normal, others zero); ``dtype``
+    replaces the floating tensors' dtype (None: keep the recorded one)."""
     if _is_tensor(layout):
-        _, shape, stride, dtype, device = layout
+        _, shape, stride, recorded_dtype, device = layout
+        dtype = dtype if dtype is not None and recorded_dtype.is_floating_point else recorded_dtype
         size = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
         base = torch.empty(size, dtype=dtype, device=device)  # filled first: strides may overlap
         base = base.normal_() if base.is_floating_point() else base.zero_()
         return base.as_strided(shape, stride)
     if isinstance(layout, tuple):
-        return tuple(_materialise(v) for v in layout)
+        return tuple(_materialise(v, dtype) for v in layout)
     return layout
 
 
@@ -111,17 +114,19 @@ class ProductRecorder(TorchDispatchMode):
         return out
 
 
-def replay_seconds(key, device: str, repeats: int = 5) -> float:
-    """Median seconds of one recorded call, replayed alone on random tensors of its layout."""
+def replay_seconds(key, device: str, repeats: int = 5, dtype=None) -> float:
+    """Median seconds of one recorded call, replayed alone on random tensors of its layout (its
+    floating tensors in ``dtype`` when given)."""
     func, args, kwargs = key
-    args, kwargs = _materialise(args), {k: _materialise(v) for k, v in kwargs}
+    args, kwargs = _materialise(args, dtype), {k: _materialise(v, dtype) for k, v in kwargs}
     timed(lambda: func(*args, **kwargs), device, 2)  # warm-up
     return timed(lambda: func(*args, **kwargs), device, repeats)[0]
 
 
-def floor(impl: str, name: str, device: str, steps: int) -> dict:
+def floor(impl: str, name: str, device: str, steps: int, replay_dtype=None) -> dict:
     """One implementation on one workload: the recorded step's FLOPs and floor, and the median
-    of the ``steps`` steps after it."""
+    of the ``steps`` steps after it; with ``replay_dtype``, also the floor with the matrix
+    products replayed in that dtype (attention calls as recorded: their kernels fix some dtypes)."""
     recorder = ProductRecorder()
 
     def on_step_end(i: int) -> None:  # record step 1, the first after the warm-up
@@ -136,6 +141,12 @@ def floor(impl: str, name: str, device: str, steps: int) -> dict:
         seconds = {key: replay_seconds(key, device) for key in recorder.calls}
     total = {key: n * seconds[key] for key, n in recorder.calls.items()}
     floor_s = sum(total.values())
+    extra = {}
+    if replay_dtype is not None:
+        with torch.no_grad():
+            cast = sum(n * replay_seconds(key, device, dtype=None if key[0]._overloadpacket in ATTENTION else replay_dtype)
+                       for key, n in recorder.calls.items())
+        extra = {"replay_dtype": str(replay_dtype), "floor_s_replay_dtype": cast}
     flops = sum(n * recorder.flops[key] for key, n in recorder.calls.items())
     slowest = sorted(total, key=total.get, reverse=True)[:5]
     return {
@@ -145,6 +156,7 @@ def floor(impl: str, name: str, device: str, steps: int) -> dict:
         "floor_share_of_step": floor_s / step_s,
         "slowest": [f"{k[0]} {[a[1] for a in k[1] if _is_tensor(a)]} "
                     f"x{recorder.calls[k]}: {total[k]:.3f} s" for k in slowest],
+        **extra,
     }  # fmt: skip
 
 
@@ -156,14 +168,17 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--replay-dtype", default=None, choices=["bfloat16", "float16"],
+                        help="also replay the matrix products in this dtype: the floor if the step ran them so")
     args = parser.parse_args()
+    replay_dtype = getattr(torch, args.replay_dtype) if args.replay_dtype else None
     impls, names = checked_choices(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
     for name in names:
         for impl in impls:
-            r = floor(impl, name, args.device, args.steps)
+            r = floor(impl, name, args.device, args.steps, replay_dtype)
             results.append(r)
             print(
                 f"{name} {impl}: {r['gflop_per_step']:.1f} GFLOP a step in {r['calls']} calls "
@@ -172,6 +187,9 @@ def main() -> None:
                 f"{r['floor_share_of_step']:.0%} of it the floor",
                 flush=True,
             )
+            if replay_dtype is not None:
+                print(f"    the products in {args.replay_dtype}: {r['floor_s_replay_dtype']:.3f} s "
+                      f"({r['floor_s'] / r['floor_s_replay_dtype']:.2f}x the recorded dtypes' speed)")
             for line in r["slowest"]:
                 print("   ", line)
     if args.json:

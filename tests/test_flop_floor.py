@@ -63,11 +63,19 @@ def test_layouts_are_replayed_with_their_shapes_strides_and_dtypes():
             assert bool(copy.isfinite().all()) and bool((copy != 0).any())
 
 
+def test_a_replay_dtype_replaces_only_floating_tensors():
+    layout = _layout((torch.randn(4, 6).t(), torch.zeros(3, dtype=torch.long), 2.0))
+    wide, index, scalar = _materialise(layout, torch.bfloat16)
+    assert (wide.dtype, wide.shape, wide.stride()) == (torch.bfloat16, (6, 4), (1, 6))
+    assert index.dtype == torch.long and scalar == 2.0
+
+
 def test_a_recorded_call_replays():
     recorder = recorded(lambda: torch.mm(torch.randn(8, 16), torch.randn(16, 4).t().contiguous().t()))
     (key,) = recorder.calls
     assert recorder.flops[key] == 2 * 8 * 16 * 4
     assert replay_seconds(key, "cpu", repeats=3) > 0
+    assert replay_seconds(key, "cpu", repeats=3, dtype=torch.bfloat16) > 0
 
 
 def test_grouped_query_attention_counts_every_query_head():
