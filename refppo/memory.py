@@ -79,7 +79,8 @@ def activation_values_per_token(config, seq_len: int | None = None) -> int:
     copies, and each layer keeps the mask in the compute dtype: ``seq_len`` values per token.
     Besides these, a micro-batch keeps the rotary tables (cos and sin: 2 x sequence length x
     head_dim values, shared by its rows). Activation checkpointing keeps far less and recomputes
-    the rest in the backward pass.
+    the rest in the backward pass. Some of these values are float32 whatever the weights' dtype
+    (:func:`float32_values_per_token`).
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
@@ -87,7 +88,7 @@ def activation_values_per_token(config, seq_len: int | None = None) -> int:
             without one.
 
     Returns:
-        Values per token (multiply by tokens and bytes per value).
+        Values per token (multiply by tokens and bytes per value: :func:`activation_bytes`).
     """
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: a masked micro-batch is at least one token wide (None: no mask)")
@@ -100,6 +101,21 @@ def activation_values_per_token(config, seq_len: int | None = None) -> int:
     return layers * per_layer + 3 * h + 1
 
 
+def float32_values_per_token(config) -> int:
+    """Of :func:`activation_values_per_token`, the values kept in float32 even by a model whose
+    weights are bf16: each RMSNorm works on a float32 copy of its input and keeps it and the
+    inverse RMS (h + 1), and attention keeps its log-sum-exp per head in float32.
+
+    Args:
+        config: a Llama- or Qwen2-style ``PretrainedConfig``.
+
+    Returns:
+        Values per token.
+    """
+    h, heads = config.hidden_size, config.num_attention_heads
+    return config.num_hidden_layers * (2 * (h + 1) + heads) + h + 1
+
+
 def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: int = 2, seq_len: int | None = None) -> int:
     """Bytes a training forward pass keeps for the backward pass.
 
@@ -108,7 +124,9 @@ def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: in
         tokens: tokens in the micro-batch (rows x sequence length, prompts included).
         logit_tokens: positions whose vocabulary logits are computed (the response tokens and
             the position before them).
-        bytes_per_value: 2 for bf16, 4 for fp32.
+        bytes_per_value: the weights' bytes per value: 4 for float32, 2 for bf16 weights (as FSDP's
+            bf16 mixed precision computes); :func:`float32_values_per_token` are 4 bytes either way.
+            bf16 autocast over float32 weights keeps another mix, not counted here.
         seq_len: the micro-batch's padded width when it carries an attention mask (see
             :func:`activation_values_per_token`); None without one.
 
@@ -116,8 +134,10 @@ def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: in
         Bytes: the decoder's activations plus one float32 vocabulary row per logit position
         (the log-softmax works in float32).
     """
-    values = activation_values_per_token(config, seq_len)
-    return tokens * values * bytes_per_value + logit_tokens * config.vocab_size * 4
+    if bytes_per_value not in (2, 4):
+        raise ValueError(f"bytes_per_value={bytes_per_value}; valid: 4 (float32) or 2 (bf16 weights)")
+    values, wide = activation_values_per_token(config, seq_len), float32_values_per_token(config)
+    return tokens * (values * bytes_per_value + wide * (4 - bytes_per_value)) + logit_tokens * config.vocab_size * 4
 
 
 def _tensor_bytes(tensors) -> int:

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from refppo.memory import PeakMeter, activation_bytes, activation_values_per_token, held_bytes, param_count, state_bytes
+from refppo.memory import (
+    PeakMeter,
+    activation_bytes,
+    activation_values_per_token,
+    float32_values_per_token,
+    held_bytes,
+    param_count,
+    state_bytes,
+)
 from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.rollout import build_batch, response_log_probs
 from refppo.tasks.tokenizer import build_tokenizer
@@ -63,10 +71,11 @@ def test_peak_meter_counts_new_storages_once_and_frees_them():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded, dtype):
     config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=3)
     assert config.num_key_value_heads < config.num_attention_heads, "grouped-query: k and v narrower than q"
-    model = load_causal_lm(config, TOK)
+    model = load_causal_lm(config, TOK).to(dtype)
     ids = torch.randint(4, len(TOK), (4, 10))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0 if padded else 1  # left padding in one row; an all-ones mask is no mask
@@ -74,9 +83,9 @@ def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded):
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         kept = meter.now - logits.numel() * logits.element_size()  # the output is not an activation
         del logits
-    seq_len = ids.shape[1] if padded else None
-    expected = activation_bytes(config, tokens=ids.numel(), logit_tokens=0, bytes_per_value=4, seq_len=seq_len)
-    rotary = 2 * ids.shape[1] * (config.hidden_size // config.num_attention_heads) * 4  # cos and sin, shared by the rows
+    seq_len, size = (ids.shape[1] if padded else None), torch.finfo(dtype).bits // 8
+    expected = activation_bytes(config, tokens=ids.numel(), logit_tokens=0, bytes_per_value=size, seq_len=seq_len)
+    rotary = 2 * ids.shape[1] * (config.hidden_size // config.num_attention_heads) * size  # cos and sin, shared by the rows
     assert kept == expected + rotary
 
 
@@ -88,6 +97,17 @@ def test_a_mask_adds_the_copied_key_value_heads_and_the_mask_per_layer():
     assert extra == config.num_hidden_layers * (copies + 10)
     with pytest.raises(ValueError, match="seq_len=0"):
         activation_values_per_token(config, seq_len=0)
+    with pytest.raises(ValueError, match="bytes_per_value=3"):
+        activation_bytes(config, tokens=8, logit_tokens=0, bytes_per_value=3)
+
+
+def test_bf16_weights_keep_the_norms_inputs_and_the_log_sum_exp_in_float32():
+    config = tiny_config(TOK, hidden_size=64, num_hidden_layers=3)
+    h, heads, norms = config.hidden_size, config.num_attention_heads, 2 * config.num_hidden_layers + 1
+    assert float32_values_per_token(config) == norms * (h + 1) + config.num_hidden_layers * heads
+    half, full = (activation_bytes(config, tokens=1, logit_tokens=0, bytes_per_value=b) for b in (2, 4))
+    assert full == 4 * activation_values_per_token(config)
+    assert half == 2 * activation_values_per_token(config) + 2 * float32_values_per_token(config)
 
 
 def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradients():
