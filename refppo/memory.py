@@ -80,7 +80,8 @@ def activation_values_per_token(config, seq_len: int | None = None) -> int:
     Besides these, a micro-batch keeps the rotary tables (cos and sin: 2 x sequence length x
     head_dim values, shared by its rows). Activation checkpointing keeps far less and recomputes
     the rest in the backward pass. Some of these values are float32 whatever the weights' dtype
-    (:func:`float32_values_per_token`).
+    (:func:`float32_values_per_token`). Checked to the byte against a CPU's forward pass
+    (``tests/test_memory.py``); a GPU's attention kernels may keep a little more.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
