@@ -166,6 +166,9 @@ def test_nonfinite_gradient_skips_the_step():
     assert all(s["actor/skipped_nonfinite_grad"] == 1.0 for s in stats)
 
 
+# A skipped update still steps the learning-rate schedule (as verl's does), which torch warns about
+# when no optimiser step has happened yet.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_a_run_whose_updates_are_all_skipped_stops_with_an_error():
     """Scores of 1e30 give a non-finite gradient in every update: the run must stop, not finish."""
     trainer = make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), 1e30))
