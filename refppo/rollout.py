@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -319,6 +320,18 @@ class StaticDecoder:
         return cache
 
 
+def cache_argument(model) -> str:
+    """The name under which ``model`` takes its KV cache and returns the updated one: ``cache``
+    from transformers 5.24 on (where ``past_key_values`` warns, to be removed in 5.40), else
+    ``past_key_values``.
+
+    Args:
+        model: a causal LM, or a peft model around one.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -393,8 +406,9 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     hit_eos = torch.zeros_like(done)
     tokens, valid, log_probs = [], [], []
+    cache_key = cache_argument(model)
     with decode_attention(model), autocast(device):
-        out = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs(0, width))
+        out = model(input_ids=prompts, use_cache=True, logits_to_keep=1, **{cache_key: cache}, **inputs(0, width))
     for step in range(max_new_tokens):
         token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
         is_valid = ~done
@@ -410,7 +424,7 @@ def generate(
         # Finished rows keep decoding pad; their outputs are discarded.
         with decode_attention(model), autocast(device):
             out = step_model(
-                input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True,
+                input_ids=token[:, None], use_cache=True, **{cache_key: getattr(out, cache_key)},
                 **inputs(width + step, width + step + 1),
             )  # fmt: skip
 

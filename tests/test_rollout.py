@@ -3,6 +3,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from refppo.rollout import (
     StaticDecoder,
     _sequence_batch,
     _static_cache_class,
+    cache_argument,
     compute_log_probs,
     compute_scores,
     compute_values,
@@ -174,6 +176,24 @@ class ScriptedLM(torch.nn.Module):
         logits = torch.full((input_ids.shape[0], 1, self.vocab), -10.0)
         logits[torch.arange(input_ids.shape[0]), 0, self.script[:, step]] = 10.0
         return SimpleNamespace(logits=logits, past_key_values="cache")
+
+
+def test_generate_names_the_cache_as_the_installed_transformers_does(tok):
+    """transformers 5.24 renamed the KV cache argument and output to ``cache`` (its old name
+    ``past_key_values`` warns, and is to go in 5.40): decoding, plain, LoRA or over a static cache,
+    raises no such warning, and a model that takes ``past_key_values`` (ScriptedLM) gets it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    torch.manual_seed(0)
+    actor = load_causal_lm(tiny_config(tok))
+    renamed = "cache" in CausalLMOutputWithPast.__dataclass_fields__
+    assert cache_argument(actor) == cache_argument(add_lora(load_causal_lm(tiny_config(tok)))) == ("cache" if renamed else "past_key_values")
+    assert cache_argument(ScriptedLM(torch.zeros(1, 1, dtype=torch.long), len(tok))) == "past_key_values"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
+        for decoder in (None, StaticDecoder(actor, compile=False)):
+            _rollout(tok, actor, max_new_tokens=3, decoder=decoder)
+        _rollout(tok, add_lora(actor), max_new_tokens=3)
 
 
 def test_eos_and_padding_rules(tok):
@@ -507,7 +527,7 @@ def test_compiled_decoding_reads_the_cache_without_copying_heads(tok):
     for model in (step, actor):
         cache = _static_cache_class()(config=actor.config, max_cache_len=slots)
         with torch.no_grad(), decode_attention(actor):
-            logits.append(model(past_key_values=cache, **inputs).logits)
+            logits.append(model(**{cache_argument(actor): cache}, **inputs).logits)
     assert key_heads == [actor.config.num_key_value_heads] * actor.config.num_hidden_layers
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
 
