@@ -143,8 +143,8 @@ def floor(impl: str, name: str, device: str, steps: int, replay_dtype=None) -> d
     floor_s = sum(total.values())
     extra = {}
     if replay_dtype is not None:
-        with torch.no_grad():
-            cast = sum(n * replay_seconds(key, device, dtype=None if key[0]._overloadpacket in ATTENTION else replay_dtype)
+        with torch.no_grad():  # attention calls keep their recorded times
+            cast = sum(n * (seconds[key] if key[0]._overloadpacket in ATTENTION else replay_seconds(key, device, dtype=replay_dtype))
                        for key, n in recorder.calls.items())
         extra = {"replay_dtype": str(replay_dtype), "floor_s_replay_dtype": cast}
     flops = sum(n * recorder.flops[key] for key, n in recorder.calls.items())
