@@ -54,11 +54,15 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    # AdamW and verl's schedules (refppo.optim.make_optimizer): a linear warm-up from 0, then
+    # constant, or cosine down to min_lr_ratio x lr at trainer.total_training_steps.
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
-    lr_warmup_steps: int = 0
-    lr_scheduler: str = "constant"  # constant | cosine (to 0 at total_training_steps)
+    lr_warmup_steps: int = -1  # -1: lr_warmup_steps_ratio x trainer.total_training_steps
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler_type: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0  # the cosine's floor, a share of lr
 
 
 @dataclass
@@ -163,7 +167,9 @@ class TrainerConfig:
     save_freq: int = 100  # steps between checkpoints (and one at the end); -1: only at the end
     test_freq: int = 100  # steps between held-out evaluations; -1: never
     resume: bool = False  # continue the run in output_dir from its last checkpoint
-    critic_warmup: int = 5  # steps that update only the critic
+    # Steps that update only the critic, as verl's documentation defines it; verl's trainer
+    # (actor updated once critic_warmup <= global_steps, counted from 1) runs one fewer.
+    critic_warmup: int = 5
     tensorboard: bool = False
     progress_bar: bool = True
 
@@ -205,7 +211,10 @@ class Config:
 # The valid range of every numeric setting, in interval notation ("inf)" excludes infinity;
 # NaN is in no range). A null Optional setting means "derive it" and is not checked here.
 _POSITIVE, _COUNT, _NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
-_OPTIM = {"lr": _NONNEG, "weight_decay": _NONNEG, "betas": "[0, 1)", "lr_warmup_steps": _NONNEG}
+_OPTIM = {
+    "lr": _NONNEG, "weight_decay": _NONNEG, "betas": "[0, 1)", "lr_warmup_steps": "-1 or [0, inf)",
+    "lr_warmup_steps_ratio": "[0, 1]", "min_lr_ratio": "[0, 1]",
+}  # fmt: skip
 RANGES = {
     **{f"data.{k}": _COUNT for k in ("train_batch_size", "val_size", "max_prompt_length", "max_response_length")},
     **{f"model.{k}": _COUNT for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
@@ -417,8 +426,8 @@ def validate(config: Config) -> Config:
         ("actor.penalty_kl_type", a.penalty_kl_type, kl_penalty_types()),
         ("algorithm.kl_penalty", alg.kl_penalty, kl_penalty_types()),
         ("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLER_TYPES),
-        ("actor.optim.lr_scheduler", a.optim.lr_scheduler, LR_SCHEDULERS),
-        ("critic.optim.lr_scheduler", config.critic.optim.lr_scheduler, LR_SCHEDULERS),
+        ("actor.optim.lr_scheduler_type", a.optim.lr_scheduler_type, LR_SCHEDULERS),
+        ("critic.optim.lr_scheduler_type", config.critic.optim.lr_scheduler_type, LR_SCHEDULERS),
         ("trainer.device", t.device, ("auto", "cpu", "cuda")),
     ]
     for key, value, valid in choices:
@@ -484,6 +493,17 @@ def validate(config: Config) -> Config:
         not (d.task == "file" and d.train_files is None), "data.task=file needs data.train_files (JSONL or Parquet)"
     )
     # An option that another one makes meaningless is an error, never silently ignored.
+    for role in ("actor", "critic"):
+        o = getattr(config, role).optim
+        _require(
+            o.lr_warmup_steps == -1 or o.lr_warmup_steps_ratio == 0,
+            f"{role}.optim.lr_warmup_steps_ratio is read only with {role}.optim.lr_warmup_steps=-1 "
+            f"(it is {o.lr_warmup_steps}): drop one of them",
+        )
+        _require(
+            o.lr_scheduler_type == "cosine" or o.min_lr_ratio == 0,
+            f"{role}.optim.min_lr_ratio is read only with {role}.optim.lr_scheduler_type=cosine: set it or drop min_lr_ratio",
+        )
     for key, value in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         _require(
             d.task == "file" or value is None,

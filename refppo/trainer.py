@@ -304,6 +304,7 @@ class PPOTrainer:
                     self._count_skips(prefix, finite)
                     optimizer.zero_grad(set_to_none=True)
                     stats[f"{prefix}/grad_norm"] = grad_norm.detach()
+                    stats[f"{prefix}/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])  # the update's, as verl logs it
                     stats[f"{prefix}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
                     per_mini.append(stats)
         return per_mini
@@ -426,7 +427,6 @@ class PPOTrainer:
         tokens = int(batch["attention_mask"].sum())
         metrics["perf/throughput"] = tokens / timing["timing_s/step"]
         metrics["perf/max_memory_allocated_gb"] = self._peak_memory_gb()
-        metrics["actor/lr"] = self.actor_opt.param_groups[0]["lr"]
         if c.actor.use_kl_loss:
             metrics["actor/kl_coef"] = c.actor.kl_loss_coef
         return metrics

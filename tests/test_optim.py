@@ -3,17 +3,69 @@ import math
 import pytest
 import torch
 
-from refppo.config import Config, apply_overrides
+from refppo.config import Config, apply_overrides, validate
 from refppo.optim import make_optimizer
 
 
-def test_lr_schedule_matches_the_formula():
-    config = apply_overrides(Config(), ["actor.optim.lr=1.0", "actor.optim.lr_warmup_steps=4", "actor.optim.lr_scheduler=cosine"])
-    opt, sched = make_optimizer([torch.nn.Parameter(torch.zeros(1))], config.actor.optim, total_steps=14)
+def verl_lr_factors(total, warmup=-1, ratio=0.0, cosine=False, min_lr_ratio=0.0):
+    """verl's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup (num_cycles 0.5)
+    and its warm-up rule (fsdp_workers), step by step."""
+    if warmup < 0:
+        warmup = int(ratio * total)
+    factors = []
+    for step in range(total):
+        if step < warmup:
+            factors.append(float(step) / float(max(1, warmup)))
+        elif not cosine:
+            factors.append(1.0)
+        else:
+            progress = float(step - warmup) / float(max(1, total - warmup))
+            x = math.cos(math.pi * 0.5 * 2.0 * progress)
+            coef, intercept = (1 - min_lr_ratio) * 0.5, (1 + min_lr_ratio) * 0.5
+            factors.append(max(min_lr_ratio, x * coef + intercept))
+    return factors
+
+
+@pytest.mark.parametrize(
+    "overrides, verl",
+    [
+        ([], {}),
+        (["lr_warmup_steps=4"], {"warmup": 4}),
+        (["lr_warmup_steps=4", "lr_scheduler_type=cosine"], {"warmup": 4, "cosine": True}),
+        (["lr_scheduler_type=cosine", "min_lr_ratio=0.1"], {"cosine": True, "min_lr_ratio": 0.1}),
+        (["lr_warmup_steps_ratio=0.3", "lr_scheduler_type=cosine", "min_lr_ratio=0.25"], {"ratio": 0.3, "cosine": True, "min_lr_ratio": 0.25}),
+        (["lr_warmup_steps_ratio=0.25"], {"ratio": 0.25}),  # int(0.25 x 14) = 3 steps, rounded down
+        (["lr_warmup_steps=20", "lr_scheduler_type=cosine"], {"warmup": 20, "cosine": True}),  # longer than the run
+    ],
+)
+def test_lr_schedule_equals_verls(overrides, verl):
+    total, lr = 14, 0.5
+    config = validate(apply_overrides(Config(), [f"actor.optim.lr={lr}", *(f"actor.optim.{o}" for o in overrides)]))
+    opt, sched = make_optimizer([torch.nn.Parameter(torch.zeros(1))], config.actor.optim, total_steps=total)
     lrs = []
-    for _ in range(14):
+    for _ in range(total):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    expected = [(s + 1) / 4 for s in range(4)] + [0.5 * (1 + math.cos(math.pi * (s - 4) / 10)) for s in range(4, 14)]
-    assert lrs == pytest.approx(expected)
+    assert lrs == pytest.approx([lr * f for f in verl_lr_factors(total, **verl)], rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.optim.lr_warmup_steps=3", "actor.optim.lr_warmup_steps_ratio=0.1"], "actor.optim.lr_warmup_steps_ratio is read only with actor.optim.lr_warmup_steps=-1"),
+        (["critic.optim.min_lr_ratio=0.1"], "critic.optim.min_lr_ratio is read only with critic.optim.lr_scheduler_type=cosine"),
+        (["actor.optim.lr_scheduler_type=linear"], "actor.optim.lr_scheduler_type='linear' is not one of constant, cosine"),
+        (["actor.optim.lr_warmup_steps=-2"], r"actor.optim.lr_warmup_steps=-2 is outside its valid range -1 or \[0, inf\)"),
+        (["critic.optim.lr_warmup_steps_ratio=1.5"], r"critic.optim.lr_warmup_steps_ratio=1.5 is outside its valid range \[0, 1\]"),
+        (["actor.optim.lr_scheduler_type=cosine", "actor.optim.min_lr_ratio=-0.1"], r"actor.optim.min_lr_ratio=-0.1 is outside"),
+    ],
+)
+def test_bad_schedules_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(apply_overrides(Config(), overrides))
+
+
+def test_the_old_scheduler_key_points_to_verls_name():
+    with pytest.raises(ValueError, match="unknown config key 'actor.optim.lr_scheduler'; did you mean actor.optim.lr_scheduler_type"):
+        apply_overrides(Config(), ["actor.optim.lr_scheduler=cosine"])

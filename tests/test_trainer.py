@@ -31,7 +31,7 @@ def test_step_metrics_use_verls_names_and_are_finite():
     metrics = make_trainer(["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"]).train_step()
     expected = [
         "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-        "actor/kl_loss", "actor/kl_coef", "actor/grad_norm", "actor/lr", "critic/vf_loss", "critic/vf_clipfrac",
+        "actor/kl_loss", "actor/kl_coef", "actor/grad_norm", "actor/lr", "critic/lr", "critic/vf_loss", "critic/vf_clipfrac",
         "critic/vf_explained_var", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
         "critic/returns/mean", "critic/values/mean", "response_length/mean", "response_length/clip_ratio",
         "timing_s/gen", "timing_s/ref", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv",
@@ -65,7 +65,7 @@ def test_first_minibatch_has_ratio_one_in_decoupled_mode():
         ["algorithm.adv_estimator=grpo", "rollout.n=4"],
         ["algorithm.adv_estimator=rloo", "rollout.n=4", "actor.loss_agg_mode=seq-mean-token-mean"],
         ["actor.clip_ratio_c=null", "actor.clip_ratio_high=0.28", "rollout.top_k=5", "rollout.top_p=0.9"],
-        ["actor.optim.lr_scheduler=cosine", "actor.optim.lr_warmup_steps=2", "trainer.critic_warmup=1"],
+        ["actor.optim.lr_scheduler_type=cosine", "actor.optim.min_lr_ratio=0.1", "critic.optim.lr_warmup_steps=1", "trainer.critic_warmup=1"],
     ],
 )
 def test_modes_run(overrides):
@@ -120,6 +120,21 @@ def test_critic_warmup_skips_the_actor():
     m = _run(trainer, 2)
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor.parameters()))
     assert "actor/pg_loss" not in m[0] and "critic/vf_loss" in m[0]
+
+
+def test_lr_metrics_are_each_updates_own_and_warm_up_starts_at_zero():
+    lr = 3e-3  # make_trainer's, for both models
+    trainer = make_trainer(["actor.optim.lr_warmup_steps=2", "critic.optim.lr_warmup_steps=2", "trainer.critic_warmup=1"])
+    actor, critic = ([p.clone() for p in net.parameters()] for net in (trainer.actor, trainer.critic))
+    m = [trainer.train_step()]
+    assert "actor/lr" not in m[0] and m[0]["critic/lr"] == 0.0  # verl: no actor update, so no actor/lr
+    assert all(torch.equal(a, b) for a, b in zip(critic, trainer.critic.parameters()))  # an update at lr 0
+    m.append(trainer.train_step())
+    assert m[1]["actor/lr"] == 0.0 and m[1]["critic/lr"] == pytest.approx(lr / 2)
+    assert all(torch.equal(a, b) for a, b in zip(actor, trainer.actor.parameters()))
+    m.append(trainer.train_step())
+    assert m[2]["actor/lr"] == pytest.approx(lr / 2) and m[2]["critic/lr"] == pytest.approx(lr)
+    assert not all(torch.equal(a, b) for a, b in zip(actor, trainer.actor.parameters()))
 
 
 def test_same_seed_same_metrics_and_different_seed_differs():
