@@ -5,7 +5,9 @@
    rewards (KL in the reward when ``algorithm.use_kl_in_reward``), advantages.
 3. Update: ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a
    row count, or of a token budget with ``use_dynamic_bsz``) for the critic and the actor, each
-   with its own optimiser, gradient clipping and LR schedule.
+   with its own optimiser, gradient clipping and LR schedule. The rows are reshuffled every epoch,
+   as textbook PPO does; verl cuts its batch in order (after reordering it by length to balance
+   its GPUs), the same every epoch.
 
 The batch of a step: generate gives the keys listed in ``refppo.rollout``; evaluate adds, all
 (B, R) float32 and 0 after the response unless said:
