@@ -42,7 +42,7 @@ from refppo.config import Config, critic_epochs, critic_mini_batch_size, token_b
 from refppo.data import EpochSampler
 from refppo.functional import masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
-from refppo.losses import POLICY_LOSSES, agg_loss, agg_loss_weight, compute_value_loss
+from refppo.losses import POLICY_LOSSES, agg_loss, agg_loss_weight, compute_rollout_is_weights, compute_value_loss
 from refppo.models import check_fused_kernels, make_reference
 from refppo.optim import make_optimizer
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
@@ -237,8 +237,9 @@ class PPOTrainer:
                 max_tokens=token_budget(c.actor), fused=self.fused,
             )
         if c.actor.policy_mode == "rollout_correction":
-            weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])
-            batch["rollout_is_weights"] = weights.clamp(max=c.actor.rollout_is_threshold) * mask
+            batch["rollout_is_weights"] = compute_rollout_is_weights(
+                batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor.rollout_is_threshold
+            )
         if self.use_critic:
             micro = c.critic.ppo_micro_batch_size_per_gpu
             batch["values"] = self._timed(timing, "values", compute_values, self.critic, batch, micro, token_budget(c.critic))

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUGS = [
     ("reference log-probs from the actor", "compute_log_probs, self.reference, batch", "compute_log_probs, self.actor, batch"),
-    ("IS weights inverted", 'torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])', 'torch.exp(batch["rollout_log_probs"] - batch["old_log_probs"])'),
-    ("IS weights clamped from below", "weights.clamp(max=c.actor.rollout_is_threshold)", "weights.clamp(min=c.actor.rollout_is_threshold)"),
+    ("IS weights inverted", 'batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor', 'batch["rollout_log_probs"], batch["old_log_probs"], mask, c.actor'),
+    ("IS weights not truncated", "mask, c.actor.rollout_is_threshold", 'mask, float("inf")'),
     ("KL in the reward: arguments swapped", 'batch["old_log_probs"], batch["ref_log_prob"], mask, beta', 'batch["ref_log_prob"], batch["old_log_probs"], mask, beta'),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     ("KL computed but not put in the reward", 'batch["token_level_rewards"], current_kl = apply_kl_penalty(', "_, current_kl = apply_kl_penalty("),
