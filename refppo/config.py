@@ -57,7 +57,7 @@ class OptimConfig:
     # AdamW and verl's schedules (refppo.optim.make_optimizer): a linear warm-up from 0, then
     # constant, or cosine down to min_lr_ratio x lr at trainer.total_training_steps.
     lr: float = 1e-5
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # verl's default is 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     lr_warmup_steps: int = -1  # -1: lr_warmup_steps_ratio x trainer.total_training_steps
     lr_warmup_steps_ratio: float = 0.0
