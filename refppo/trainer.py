@@ -40,7 +40,7 @@ from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import check_values, value_checks
 from refppo.config import Config, critic_epochs, critic_mini_batch_size, token_budget
 from refppo.data import EpochSampler
-from refppo.functional import masked_mean, masked_var
+from refppo.functional import masked_corr, masked_max_min, masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
 from refppo.losses import POLICY_LOSSES, agg_loss, agg_loss_weight, compute_rollout_is_weights, compute_value_loss
 from refppo.models import check_fused_kernels, make_reference
@@ -422,13 +422,13 @@ class PPOTrainer:
         start = time.perf_counter()
         batch, stats = self.make_experience(self.sampler.next_batch(), timing)  # phases 1 and 2
         critic_minis, actor_minis = self.update(batch, timing)  # phase 3
-        metrics = self._gather(batch, stats, critic_minis + actor_minis)  # the step's one host sync
+        with value_checks(False):  # the batch was checked before the updates
+            metrics = self._gather(batch, stats, critic_minis + actor_minis)  # the step's one host sync
         timing["timing_s/step"] = time.perf_counter() - start
         self.last_update_stats = [{k: float(v) for k, v in m.items()} for m in actor_minis]
         self.step += 1
         metrics.update(timing)
-        tokens = int(batch["attention_mask"].sum())
-        metrics["perf/throughput"] = tokens / timing["timing_s/step"]
+        metrics |= throughput_metrics(batch, timing)
         metrics["perf/max_memory_allocated_gb"] = self._peak_memory_gb()
         if c.actor.use_kl_loss:
             metrics["actor/kl_coef"] = c.actor.kl_loss_coef
@@ -441,27 +441,40 @@ class PPOTrainer:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
     def _gather(self, batch, stats, per_mini) -> dict[str, float]:
-        """All step metrics in one host transfer."""
+        """All step metrics in one host transfer; the batch's are verl's ``compute_data_metrics``
+        and ``calculate_debug_metrics``."""
         mask = batch["response_mask"]
-        length = mask.sum(-1).float()
+        rows = torch.ones_like(mask[:, 0])
+        prompt_width = batch["input_ids"].shape[1] - mask.shape[1]
         out = dict(stats)
-        out["critic/score/mean"] = batch["token_level_scores"].sum(-1).mean()
-        out["critic/rewards/mean"] = batch["token_level_rewards"].sum(-1).mean()
-        out["critic/advantages/mean"] = masked_mean(batch["advantages"], mask)
-        out["critic/returns/mean"] = masked_mean(batch["returns"], mask)
+
+        def mean_max_min(name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
+            out[f"{name}/mean"] = masked_mean(values, valid)
+            out[f"{name}/max"], out[f"{name}/min"] = masked_max_min(values, valid)
+
+        mean_max_min("critic/score", batch["token_level_scores"].sum(-1), rows)
+        mean_max_min("critic/rewards", batch["token_level_rewards"].sum(-1), rows)
+        mean_max_min("critic/advantages", batch["advantages"], mask)
+        mean_max_min("critic/returns", batch["returns"], mask)
         if self.use_critic:
-            out["critic/values/mean"] = masked_mean(batch["values"], mask)
+            mean_max_min("critic/values", batch["values"], mask)
             residual_var = masked_var(batch["returns"] - batch["values"], mask)
             out["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(batch["returns"], mask) + 1e-5)
         if self.config.actor.policy_mode != "bypass":
-            # verl's debug metric: the sampler's token probabilities against the trainer's own
-            # recomputation; far from 0 when the two disagree (e.g. a different temperature)
-            diff = (batch["old_log_probs"].exp() - batch["rollout_log_probs"].exp()).abs()
+            # verl's debug metrics: the sampler's token probabilities against the trainer's own
+            # recomputation; far from 0 (and a correlation below 1) when the two disagree
+            old, rollout = batch["old_log_probs"].exp(), batch["rollout_log_probs"].exp()
+            diff = (old - rollout).abs()
             out["training/rollout_probs_diff_mean"] = masked_mean(diff, mask)
             out["training/rollout_probs_diff_max"] = diff.masked_fill(mask == 0, 0.0).max()
             out["training/rollout_probs_diff_std"] = masked_var(diff, mask).sqrt()
-        out["response_length/mean"] = length.mean()
-        out["response_length/clip_ratio"] = (length == self.config.data.max_response_length).float().mean()
+            out["training/rollout_actor_probs_pearson_corr"] = masked_corr(old, rollout, mask)
+        for name, length, limit in (
+            ("response_length", mask.sum(-1).float(), self.config.data.max_response_length),
+            ("prompt_length", batch["attention_mask"][:, :prompt_width].sum(-1).float(), self.config.data.max_prompt_length),
+        ):
+            mean_max_min(name, length, rows)
+            out[f"{name}/clip_ratio"] = (length == limit).float().mean()
         keys = sorted({k for m in per_mini for k in m})
         for k in keys:
             values = [m[k] for m in per_mini if k in m]
@@ -539,6 +552,29 @@ BAR_FIELDS = (
     ("ppo_kl", "actor/ppo_kl"),  # old vs new policy
     ("step_s", "timing_s/step"),
 )
+
+
+def throughput_metrics(batch: dict[str, torch.Tensor], timing: dict[str, float]) -> dict[str, float]:
+    """verl's ``compute_timing_metrics`` per-token part and ``compute_throughout_metrics`` (one GPU).
+
+    Args:
+        batch: needs ``attention_mask`` (B, P + R) and ``response_mask`` (B, R).
+        timing: ``timing_s/<phase>`` seconds, ``timing_s/step`` included.
+
+    Returns:
+        ``timing_per_token_ms/<phase>`` (generation per response token, the other phases per
+        prompt + response token), ``perf/total_num_tokens``, ``perf/time_per_step`` and
+        ``perf/throughput`` (tokens per second).
+    """
+    counts = torch.stack([batch["attention_mask"].sum(), batch["response_mask"].sum()]).tolist()
+    total, responses = (int(c) for c in counts)
+    step = timing["timing_s/step"]
+    out = {"perf/total_num_tokens": total, "perf/time_per_step": step, "perf/throughput": total / step}
+    for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
+        if f"timing_s/{phase}" in timing:
+            tokens = responses if phase == "gen" else total
+            out[f"timing_per_token_ms/{phase}"] = timing[f"timing_s/{phase}"] * 1000 / tokens
+    return out
 
 
 def bar_fields(metrics: dict[str, float]) -> dict[str, str]:

@@ -16,7 +16,7 @@ def _run(trainer, steps):
 
 
 def _no_timing(metrics):
-    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/"))}
 
 
 def test_score_improves_end_to_end():
@@ -37,6 +37,9 @@ def test_step_metrics_use_verls_names_and_are_finite():
         "timing_s/gen", "timing_s/ref", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv",
         "timing_s/update_actor", "timing_s/update_critic", "timing_s/step", "perf/throughput",
         "perf/max_memory_allocated_gb", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
+        "critic/score/max", "critic/advantages/min", "critic/values/max", "prompt_length/mean", "prompt_length/clip_ratio",
+        "response_length/max", "training/rollout_actor_probs_pearson_corr", "perf/total_num_tokens",
+        "perf/time_per_step", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor",
     ]  # fmt: skip
     missing = [k for k in expected if k not in metrics]
     assert not missing

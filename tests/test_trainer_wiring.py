@@ -356,28 +356,60 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
         assert "rollout_is_weights" not in batch
 
 
-def test_logged_means_match_their_formulas():
-    trainer = make_trainer([*BATCH, "data.max_response_length=3", "algorithm.use_kl_in_reward=true"])
+def test_logged_data_metrics_match_their_formulas():
+    """verl's compute_data_metrics: mean, max and min of each quantity, over rows or valid tokens."""
+    trainer = make_trainer([*BATCH, "data.max_response_length=3", "data.max_prompt_length=5", "algorithm.use_kl_in_reward=true"])
     batches, _ = capture(trainer)
     trainer.train_step()
     m = trainer.train_step()
-    b = batches[-1]
-    mask = b["response_mask"].float()
-    mmean = lambda x: ((x * mask).sum() / mask.sum()).item()
-    mvar = lambda x: ((((x - mmean(x)) * mask) ** 2).sum() / (mask.sum() - 1)).item()
-    expected = {
-        "critic/score/mean": b["token_level_scores"].sum(-1).mean().item(),
-        "critic/rewards/mean": b["token_level_rewards"].sum(-1).mean().item(),
-        "critic/advantages/mean": mmean(b["advantages"]),
-        "critic/returns/mean": mmean(b["returns"]),
-        "critic/values/mean": mmean(b["values"]),
-        "critic/vf_explained_var": 1 - mvar(b["returns"] - b["values"]) / (mvar(b["returns"]) + 1e-5),
-        "response_length/mean": mask.sum(-1).mean().item(),
-        "response_length/clip_ratio": (mask.sum(-1) == 3).float().mean().item(),
-    }
-
+    assert m["prompt_length/clip_ratio"] == 1.0, "the task's prompts are all 5 tokens"
+    b = dict(batches[-1])
+    b["attention_mask"] = b["attention_mask"].clone()
+    b["attention_mask"][:3, 0] = 0  # shorter, left-padded prompts in three rows
+    b["attention_mask"][0, 1] = 0
+    b["response_mask"] = b["response_mask"].clone()
+    b["response_mask"][3:5, -1] = 0  # and two shorter responses
+    b["attention_mask"][:, -3:] = b["response_mask"]
+    mask = b["response_mask"].bool()
+    for key in ("advantages", "returns", "values"):  # padding must not count
+        b[key] = b[key].masked_fill(~mask, 1e3)
+    m = trainer._gather(b, {}, [])
+    b = {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
+    tokens = lambda key: [float(x) for x in b[key][mask]]
+    rows = lambda key: [float(x) for x in b[key].sum(-1)]
+    mean = lambda xs: sum(xs) / len(xs)
+    var = lambda xs: sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)
+    response_length = [float(x) for x in b["response_mask"].sum(-1)]
+    prompt_length = [float(x) for x in b["attention_mask"][:, : b["prompts"].shape[1]].sum(-1)]
+    series = {
+        "critic/score": rows("token_level_scores"), "critic/rewards": rows("token_level_rewards"),
+        "critic/advantages": tokens("advantages"), "critic/returns": tokens("returns"), "critic/values": tokens("values"),
+        "response_length": response_length, "prompt_length": prompt_length,
+    }  # fmt: skip
+    expected = {f"{name}/{stat}": f(xs) for name, xs in series.items() for stat, f in (("mean", mean), ("max", max), ("min", min))}
+    residual = [r - v for r, v in zip(tokens("returns"), tokens("values"))]
+    expected["critic/vf_explained_var"] = 1 - var(residual) / (var(tokens("returns")) + 1e-5)
+    expected["response_length/clip_ratio"] = mean([float(x == 3) for x in response_length])
+    expected["prompt_length/clip_ratio"] = mean([float(x == trainer.config.data.max_prompt_length) for x in prompt_length])
+    assert 0 < expected["prompt_length/clip_ratio"] < 1 and 0 < expected["response_length/clip_ratio"] < 1
+    assert expected["critic/advantages/max"] > expected["critic/advantages/min"]
     for key, value in expected.items():
         assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+def test_throughput_metrics_are_verls():
+    trainer = make_trainer([*BATCH, "data.max_response_length=3", "algorithm.use_kl_in_reward=true"])
+    batches, _ = capture(trainer)
+    m = trainer.train_step()
+    b = batches[-1]
+    total, responses = int(b["attention_mask"].sum()), int(b["response_mask"].sum())
+    assert total > responses > 0
+    assert m["perf/total_num_tokens"] == total and m["perf/time_per_step"] == m["timing_s/step"]
+    assert m["perf/throughput"] == pytest.approx(total / m["timing_s/step"])
+    assert m["timing_per_token_ms/gen"] == pytest.approx(m["timing_s/gen"] * 1000 / responses)
+    for phase in ("ref", "values", "adv", "update_critic", "update_actor"):
+        assert m[f"timing_per_token_ms/{phase}"] == pytest.approx(m[f"timing_s/{phase}"] * 1000 / total), phase
+    assert not any(k.startswith("timing_per_token_ms/") for k in ("old_log_prob", "reward", "step"))
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "bypass"])
@@ -389,15 +421,25 @@ def test_rollout_probs_diff_is_verls_debug_metric(mode):
         assert not any(k.startswith("training/rollout_probs_diff") for k in m)
         return
     b = dict(batches[-1])
+    # a sampler that disagrees with the trainer (as at a wrong temperature), and padding that
+    # holds other numbers (two responses made one token shorter)
+    b["old_log_probs"] = (b["rollout_log_probs"] + 0.5 * torch.randn_like(b["rollout_log_probs"])).clamp(max=0)
+    b["response_mask"] = b["response_mask"].clone()
+    b["response_mask"][:2, -1] = 0
     mask = b["response_mask"].bool()
-    # a sampler that disagrees with the trainer (as at a wrong temperature), 0 after the response
-    b["old_log_probs"] = (b["rollout_log_probs"] + 0.5 * torch.randn_like(b["rollout_log_probs"])).clamp(max=0) * mask
     logged = trainer._gather(b, {}, [])
     diff = (b["old_log_probs"].double().exp() - b["rollout_log_probs"].double().exp()).abs()[mask]
     expected = {"mean": diff.mean().item(), "max": diff.max().item(), "std": diff.std().item()}  # torch.std: unbiased
     assert expected["mean"] > 1e-3
     for key, value in expected.items():
         assert logged[f"training/rollout_probs_diff_{key}"] == pytest.approx(value, rel=1e-5), key
+    p, q = b["old_log_probs"].double().exp()[mask].tolist(), b["rollout_log_probs"].double().exp()[mask].tolist()
+    mp, mq = sum(p) / len(p), sum(q) / len(q)
+    cov = sum((x - mp) * (y - mq) for x, y in zip(p, q))
+    pearson = cov / math.sqrt(sum((x - mp) ** 2 for x in p) * sum((y - mq) ** 2 for y in q))
+    assert 0.2 < pearson < 0.999
+    assert logged["training/rollout_actor_probs_pearson_corr"] == pytest.approx(pearson, rel=1e-4)
+    assert m["training/rollout_actor_probs_pearson_corr"] > 0.9999
     assert m["training/rollout_probs_diff_max"] < 1e-4, "the trainer's own recomputation agrees with the sampler"
 
 
