@@ -352,7 +352,8 @@ class PPOTrainer:
             vpreds, mb["returns"], mb["values"], mb["response_mask"], cc.cliprange_value, cc.loss_agg_mode,
             self._loss_scale_factor(cc.loss_scale_factor),
         )  # fmt: skip
-        return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac}
+        vpred_mean = masked_mean(vpreds.detach(), mb["response_mask"])
+        return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean}
 
     # ---- one step ----------------------------------------------------------------------
     def _timed(self, timing: dict, name: str, fn, *args, **kwargs):

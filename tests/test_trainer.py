@@ -37,7 +37,7 @@ def test_step_metrics_use_verls_names_and_are_finite():
         "timing_s/gen", "timing_s/ref", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv",
         "timing_s/update_actor", "timing_s/update_critic", "timing_s/step", "perf/throughput",
         "perf/max_memory_allocated_gb", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
-        "critic/score/max", "critic/advantages/min", "critic/values/max", "prompt_length/mean", "prompt_length/clip_ratio",
+        "critic/score/max", "critic/advantages/min", "critic/values/max", "critic/vpred_mean", "prompt_length/mean", "prompt_length/clip_ratio",
         "response_length/max", "training/rollout_actor_probs_pearson_corr", "perf/total_num_tokens",
         "perf/time_per_step", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor",
     ]  # fmt: skip

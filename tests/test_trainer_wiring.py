@@ -397,6 +397,18 @@ def test_logged_data_metrics_match_their_formulas():
         assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
 
 
+def test_vpred_mean_is_the_critic_s_mean_prediction_in_its_update():
+    """verl's critic/vpred_mean: before the first update the critic predicts the batch's values."""
+    trainer = make_trainer([*BATCH, "critic.ppo_micro_batch_size_per_gpu=2"])
+    batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+    batch["response_mask"] = batch["response_mask"].clone()
+    batch["response_mask"][:3, 1:] = 0  # ragged, so the micro-batches hold different token counts
+    first = trainer._minibatch_updates(
+        batch, trainer.critic_opt, trainer.critic_params, 1e9, 1, 8, 2, None, "token-mean", trainer._critic_loss, "critic"
+    )[0]  # fmt: skip
+    mask = batch["response_mask"].bool()
+    assert first["critic/vpred_mean"].item() == pytest.approx(batch["values"].double()[mask].mean().item(), rel=1e-5)
+
 def test_throughput_metrics_are_verls():
     trainer = make_trainer([*BATCH, "data.max_response_length=3", "algorithm.use_kl_in_reward=true"])
     batches, _ = capture(trainer)
