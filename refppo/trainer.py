@@ -488,7 +488,9 @@ class PPOTrainer:
     def held_out_metrics(self) -> dict[str, float]:
         """Validation (verl's ``_validate``): held-out prompts, one greedy response each
         (``val/score``, ``val/<extra>``) and one sampled at the rollout temperature
-        (``val/score_sampled``, what training optimises)."""
+        (``val/score_sampled``, what training optimises). verl logs the greedy mean as
+        ``val-core/<data_source>/reward/mean@1`` (``acc`` for ``reward`` when the reward function
+        returns one); refppo has one data source and keeps the short name."""
         out = {}
         for suffix, do_sample in (("", False), ("_sampled", True)):
             batch = self.generate(self.val_records, n=1, do_sample=do_sample)
