@@ -14,7 +14,7 @@ Each (variant, pass) is measured in a fresh subprocess so that peak memory is it
 on the CPU the peak resident set size above the level reached after allocating the inputs,
 on CUDA torch.cuda.max_memory_allocated above the same level.
 Usage: python benchmarks/bench_logprobs.py [--device cpu|cuda] [--dtype float32|bfloat16]
-       [--tokens N] [--vocab V] [--hidden H]
+       [--tokens N] [--vocab V] [--hidden H] [--chunk-elements N]
 """
 
 import argparse
@@ -35,17 +35,24 @@ def naive(logits, labels):
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
+CHUNK_ELEMENTS = None  # --chunk-elements: the chunked variants' chunk size; None: refppo's default
+
+
+def rows_per_chunk(vocab):
+    return None if CHUNK_ELEMENTS is None else max(1, CHUNK_ELEMENTS // vocab)
+
+
 def chunked(logits, labels):
-    return logprobs_from_logits(logits, labels)
+    return logprobs_from_logits(logits, labels, chunk_size=rows_per_chunk(logits.shape[-1]))
 
 
 def head(hidden, weight, labels):
     """The LM head, then the chunked log-softmax: refppo without model.use_fused_kernels."""
-    return logprobs_from_logits(hidden @ weight.T, labels)
+    return logprobs_from_logits(hidden @ weight.T, labels, chunk_size=rows_per_chunk(weight.shape[0]))
 
 
 def fused(hidden, weight, labels):
-    return logprobs_from_hidden(hidden, weight, labels)
+    return logprobs_from_hidden(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]))
 
 
 VARIANTS = {"naive": naive, "chunked": chunked, "head": head, "fused": fused}
@@ -102,8 +109,11 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=0, help="> 0: from hidden states of this width through an LM head")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-elements", type=int, help="rows x vocab per chunk (default: refppo's)")
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "BACKWARD"))
     a = p.parse_args()
+    global CHUNK_ELEMENTS
+    CHUNK_ELEMENTS = a.chunk_elements
     if a.child:
         r = measure(a.child[0], a.child[1] == "1", a.device, a.dtype, a.tokens, a.vocab, a.hidden, a.repeats)
         print(json.dumps(r))
@@ -119,13 +129,14 @@ def main():
         labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
         err = (chunked(logits, labels) - naive(logits, labels)).abs().max().item()
     print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
-          f"threads={torch.get_num_threads()}  max |{names[1]} - {names[0]}| = {err:.1e}")
+          f"chunk_elements={a.chunk_elements or 'default'} threads={torch.get_num_threads()}  max |{names[1]} - {names[0]}| = {err:.1e}")
     print(f"{'pass':<18}{names[0] + ' MiB':>11}{names[1] + ' MiB':>13}{'mem ratio':>11}{names[0] + ' ms':>10}{names[1] + ' ms':>12}{'speed-up':>10}")
     for backward in (False, True):
         res = {}
         for variant in names:
             cmd = [sys.executable, __file__, "--device", a.device, "--dtype", a.dtype, "--tokens", str(a.tokens), "--vocab", str(a.vocab),
-                   "--hidden", str(a.hidden), "--repeats", str(a.repeats), "--child", variant, str(int(backward))]  # fmt: skip
+                   "--hidden", str(a.hidden), "--repeats", str(a.repeats), "--child", variant, str(int(backward)),
+                   *(["--chunk-elements", str(a.chunk_elements)] if a.chunk_elements else [])]  # fmt: skip
             res[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         n, c = res[names[0]], res[names[1]]
         name = "fwd+bwd (-grad)" if backward else "forward"
