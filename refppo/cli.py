@@ -73,6 +73,9 @@ def _save_model(model, tokenizer, folder: Path) -> None:
 
 
 def run_sft(config: Config, make_run) -> None:
+    """``refppo sft``: train the policy on the task's demonstrations (a tiny model from
+    ``model.arch`` and its sizes, or ``model.path``); ``make_run()`` creates the run folder, called
+    only after every check has passed."""
     from refppo.sft import train_sft
 
     tokenizer = load_tokenizer(config.model.path)
@@ -94,6 +97,8 @@ def run_sft(config: Config, make_run) -> None:
 
 
 def run_rm(config: Config, make_run) -> None:
+    """``refppo rm``: a reward model from the SFT model (``model.path``) on synthetic comparisons
+    (``data.task=preference``); ``make_run()`` as in :func:`run_sft`."""
     from refppo.reward_model import center_reward_model, train_reward_model
 
     if config.data.task != "preference":
@@ -114,6 +119,9 @@ def run_rm(config: Config, make_run) -> None:
 
 
 def run_ppo(config: Config, make_run) -> None:
+    """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
+    task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
+    ``make_run()`` as in :func:`run_sft`."""
     from refppo.trainer import PPOTrainer, check_scores, describe, fit
 
     if config.model.path is None:

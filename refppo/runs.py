@@ -199,6 +199,7 @@ class RunFolder:
         return int(latest.read_text()) if latest.exists() else None
 
     def checkpoint_dir(self, step: int) -> Path:
+        """The folder of the checkpoint saved after ``step`` (``checkpoints/step_000012``)."""
         return self.path / "checkpoints" / f"step_{step:06d}"
 
     def enable_tensorboard(self) -> None:
