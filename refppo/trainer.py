@@ -446,7 +446,6 @@ class PPOTrainer:
         and ``calculate_debug_metrics``."""
         mask = batch["response_mask"]
         rows = torch.ones_like(mask[:, 0])
-        prompt_width = batch["input_ids"].shape[1] - mask.shape[1]
         out = dict(stats)
 
         def mean_max_min(name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
@@ -467,12 +466,12 @@ class PPOTrainer:
             old, rollout = batch["old_log_probs"].exp(), batch["rollout_log_probs"].exp()
             diff = (old - rollout).abs()
             out["training/rollout_probs_diff_mean"] = masked_mean(diff, mask)
-            out["training/rollout_probs_diff_max"] = diff.masked_fill(mask == 0, 0.0).max()
+            out["training/rollout_probs_diff_max"] = masked_max_min(diff, mask)[0]
             out["training/rollout_probs_diff_std"] = masked_var(diff, mask).sqrt()
             out["training/rollout_actor_probs_pearson_corr"] = masked_corr(old, rollout, mask)
         for name, length, limit in (
             ("response_length", mask.sum(-1).float(), self.config.data.max_response_length),
-            ("prompt_length", batch["attention_mask"][:, :prompt_width].sum(-1).float(), self.config.data.max_prompt_length),
+            ("prompt_length", batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float(), self.config.data.max_prompt_length),
         ):
             mean_max_min(name, length, rows)
             out[f"{name}/clip_ratio"] = (length == limit).float().mean()

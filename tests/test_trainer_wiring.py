@@ -409,6 +409,7 @@ def test_vpred_mean_is_the_critic_s_mean_prediction_in_its_update():
     mask = batch["response_mask"].bool()
     assert first["critic/vpred_mean"].item() == pytest.approx(batch["values"].double()[mask].mean().item(), rel=1e-5)
 
+
 def test_throughput_metrics_are_verls():
     trainer = make_trainer([*BATCH, "data.max_response_length=3", "algorithm.use_kl_in_reward=true"])
     batches, _ = capture(trainer)
@@ -439,10 +440,13 @@ def test_rollout_probs_diff_is_verls_debug_metric(mode):
     b["response_mask"] = b["response_mask"].clone()
     b["response_mask"][:2, -1] = 0
     mask = b["response_mask"].bool()
+    b["rollout_log_probs"] = b["rollout_log_probs"].clone()
+    b["old_log_probs"][:2, -1], b["rollout_log_probs"][:2, -1] = 0.0, -30.0  # the largest diff, in padding
     logged = trainer._gather(b, {}, [])
-    diff = (b["old_log_probs"].double().exp() - b["rollout_log_probs"].double().exp()).abs()[mask]
+    every = (b["old_log_probs"].double().exp() - b["rollout_log_probs"].double().exp()).abs()
+    diff = every[mask]
     expected = {"mean": diff.mean().item(), "max": diff.max().item(), "std": diff.std().item()}  # torch.std: unbiased
-    assert expected["mean"] > 1e-3
+    assert expected["mean"] > 1e-3 and every.max() > expected["max"]
     for key, value in expected.items():
         assert logged[f"training/rollout_probs_diff_{key}"] == pytest.approx(value, rel=1e-5), key
     p, q = b["old_log_probs"].double().exp()[mask].tolist(), b["rollout_log_probs"].double().exp()[mask].tolist()
