@@ -105,6 +105,7 @@ def compute_gae_advantage_return(
     check_values(
         masks={"response_mask": response_mask},
         finite={"token_level_rewards": token_level_rewards, "values": values},
+        min_valid=("response_mask", response_mask, 2),  # the whitening's unbiased variance
     )
     dtype = _work_dtype(token_level_rewards, values)
     r, v, m = token_level_rewards.to(dtype), values.to(dtype), response_mask.to(dtype)

@@ -482,6 +482,11 @@ def validate(config: Config) -> Config:
         f"actor.policy_mode=rollout_correction weights each token's loss, but actor.policy_loss={a.policy_loss} takes no weights",
     )
     _require(
+        alg.adv_estimator != "gae" or d.train_batch_size * r.n >= 2,
+        "algorithm.adv_estimator=gae whitens the advantages over the batch's response tokens, and a batch of one "
+        "response (data.train_batch_size x rollout.n = 1) holds one token whenever it is only EOS: use >= 2 responses",
+    )
+    _require(
         not ADV_ESTIMATORS.takes(alg.adv_estimator, "index") or r.n >= 2,
         f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt: set rollout.n >= 2",
     )

@@ -145,7 +145,7 @@ def test_gae_bad_input():
         compute_gae_advantage_return(r, v, m, 1.5, 0.95)
     with pytest.raises(ValueError, match="lam must be in"):
         compute_gae_advantage_return(r, v, m, 1.0, -0.1)
-    with pytest.raises(ValueError, match="fewer than 2 valid"):
+    with pytest.raises(ValueError, match="response_mask has fewer than 2 valid"):
         compute_gae_advantage_return(r, v, torch.tensor([[1.0, 0, 0], [0, 0, 0]]), 1.0, 0.95)
     with pytest.raises(ValueError, match="2 dimensions"):
         compute_gae_advantage_return(r[0], v[0], m[0], 1.0, 0.95)
