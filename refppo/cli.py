@@ -61,7 +61,13 @@ def load_reward_fn(spec: str):
         raise ValueError(f"reward_model.reward_fn={spec!r} must look like package.module:function")
     if os.getcwd() not in sys.path and "" not in sys.path:  # the refppo script, unlike python -m, lacks it
         sys.path.insert(0, os.getcwd())
-    fn = getattr(importlib.import_module(module), name, None)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module == error.name or module.startswith(error.name + ".")):
+            raise  # the module was found; something it imports was not
+        raise ValueError(f"reward_model.reward_fn={spec!r}: no module named {error.name!r}") from error
+    fn = getattr(imported, name, None)
     if not callable(fn):
         raise ValueError(f"reward_model.reward_fn={spec!r}: {module} has no function {name!r}")
     return fn
@@ -196,8 +202,36 @@ def run_plot(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``refppo sft|rm|ppo [key=value ...]`` or ``refppo plot RUN ... -m KEY -o FILE``."""
+def _raised_by_refppo(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is refppo's own code."""
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(__file__).parent.resolve())
+
+
+def entry() -> int:
+    """The ``refppo`` command and ``python -m refppo``: :func:`main`, where a setting or input that
+    refppo's checks refuse before a run starts is one line on stderr (``refppo: error: ...``, exit
+    status 2) instead of a traceback. An error raised elsewhere (a reward function, a library) or
+    once the run folder is being made keeps its traceback."""
+    started = []
+    try:
+        return main(on_start=lambda: started.append(True))
+    except (ValueError, OSError, ImportError) as error:
+        if started or not _raised_by_refppo(error):
+            raise
+        print(f"refppo: error: {error}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None, on_start=None) -> int:
+    """Entry point: ``refppo sft|rm|ppo [key=value ...]`` or ``refppo plot RUN ... -m KEY -o FILE``.
+
+    Args:
+        argv: the arguments after ``refppo``; default ``sys.argv[1:]``.
+        on_start: called once every check has passed, just before the run folder is made.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "plot":
         return run_plot(argv[1:])
@@ -223,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         check_free(out)
     # Each command loads everything that can fail (models, data, reward function) first and
     # only then creates the run folder.
-    {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, lambda: RunFolder(out, config, resume))
+    def folder() -> RunFolder:
+        if on_start is not None:
+            on_start()
+        return RunFolder(out, config, resume)
+
+    {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, folder)
     print(summary(out))
     return 0
 
@@ -273,4 +312,4 @@ def cached_run(command: str, overrides: list[str], cache_dir: str | os.PathLike 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

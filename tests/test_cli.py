@@ -185,9 +185,52 @@ def test_bad_config_and_paths(tmp_path):
     assert main([]) == 2
 
 
-def test_python_dash_m_entry_point():
+def test_python_dash_m_entry_point(tmp_path):
     result = subprocess.run([sys.executable, "-m", "refppo"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage: refppo {sft|rm|ppo}" in result.stderr
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "refppo", "ppo", "actor.clip_ration=0.1", f"trainer.output_dir={out}"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and not out.exists()
+    assert result.stderr == "refppo: error: unknown config key 'actor.clip_ration'; did you mean actor.clip_ratio, " \
+        "actor.clip_ratio_c, actor.clip_ratio_low?\n"
+
+
+def raises_itself(prompts, responses, records):
+    raise ValueError("the user's own check")
+
+
+def fails_once_running(prompts, responses, records):
+    return [1.0] * len(responses) if not any(responses) else None  # the probe's responses are empty
+
+
+def test_the_command_states_refused_input_in_one_line_and_keeps_other_tracebacks(sft_run, tmp_path, monkeypatch, capsys):
+    from refppo.cli import entry
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1="}\n' * 8)
+    out = tmp_path / "run"
+    run = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={data}", *QUICK_PPO]
+    refused = {
+        f"data.val_files={tmp_path}/missing.jsonl": f"refppo: error: dataset file '{tmp_path}/missing.jsonl' does not exist",
+        f"data.val_files={tmp_path}": f"refppo: error: dataset path '{tmp_path}' is a folder",
+        "reward_model.reward_fn=no_such_module:score": "refppo: error: reward_model.reward_fn='no_such_module:score': no module named 'no_such_module'",
+    }
+    for extra, line in refused.items():
+        monkeypatch.setattr(sys, "argv", ["refppo", *run, extra])
+        assert entry() == 2
+        err = capsys.readouterr().err
+        assert err.startswith(line) and err.count("\n") == 1, err
+    assert not out.exists()
+    # The user's own error, and an error once the run has started, keep their tracebacks.
+    monkeypatch.setattr(sys, "argv", ["refppo", *run, "reward_model.reward_fn=test_cli:raises_itself"])
+    with pytest.raises(ValueError, match="the user's own check"):
+        entry()
+    assert not out.exists()
+    monkeypatch.setattr(sys, "argv", ["refppo", *run, "reward_model.reward_fn=test_cli:fails_once_running"])
+    with pytest.raises(ValueError, match="test_cli:fails_once_running returned a NoneType"):
+        entry()
+    assert out.exists()
 
 
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path):
