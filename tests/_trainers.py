@@ -4,7 +4,7 @@ import torch
 
 from refppo.advantages import needs_critic
 from refppo.config import Config, apply_overrides, validate
-from refppo.models import load_causal_lm, load_value_model, tiny_config
+from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
 from refppo.tasks.tokenizer import build_tokenizer
 from refppo.trainer import PPOTrainer
 
@@ -17,9 +17,10 @@ def first_char_is_seven(prompts, responses, records):
     return torch.tensor([float(r[:1] == "7") for r in responses])
 
 
-def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_critic=None, **kw):
+def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_critic=None, lora_rank=0, **kw):
     """A PPOTrainer on a 1-layer, 32-wide model: 16 prompts a step, 4 response tokens; a critic
-    when the advantage estimator needs one (or as ``with_critic`` says)."""
+    when the advantage estimator needs one (or as ``with_critic`` says); a LoRA actor of rank
+    ``lora_rank`` if it is > 0."""
     config = apply_overrides(
         Config(),
         [
@@ -37,6 +38,8 @@ def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_criti
     torch.manual_seed(seed)
     model_config = tiny_config(TOK, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     actor = load_causal_lm(model_config)
+    if lora_rank:
+        actor = add_lora(actor, r=lora_rank)
     if with_critic is None:
         with_critic = needs_critic(config.algorithm.adv_estimator)
     critic = load_value_model(model_config) if with_critic else None
