@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from refppo.advantages import needs_critic
-from refppo.config import Config, apply_overrides, config_to_dict, validate
+from refppo.config import RANGES, Config, apply_overrides, choices, config_to_dict, get_value, leaf_keys, validate
 from refppo.data import sft_examples, task_data
 from refppo.models import (
     add_lora, check_fused_kernels, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config,
@@ -33,6 +33,79 @@ from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
 COMMANDS = ("sft", "rm", "ppo")
+_RUN_BASICS = ("trainer.seed", "trainer.device", "trainer.output_dir", "trainer.progress_bar")
+_TINY_MODEL = ("model.arch", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads", "model.num_key_value_heads")
+# Why a command leaves a setting unread, where "a setting of refppo ppo" would not say it.
+_UNREAD_BECAUSE = {
+    "model.lora_rank": "it trains every weight", "model.lora_alpha": "it trains every weight",
+    "trainer.resume": "it saves no checkpoints", "model.use_fused_kernels": "it trains a scalar head, with no vocabulary to fuse",
+    "sft.teacher_carry_error": "only arithmetic has a teacher who forgets the carry",
+    "data.val_size": "it holds out problems only for data.task=arithmetic",
+}  # fmt: skip
+
+
+def read_settings(command: str, config: Config) -> list[str]:
+    """The dotted keys ``refppo <command>`` reads with ``config`` (its task and ``model.path``
+    decide some): any other override would be ignored, so :func:`main` refuses it.
+
+    Args:
+        command: "sft", "rm" or "ppo".
+        config: the settings after the overrides.
+    """
+    keys = leaf_keys(config)
+    if command == "ppo":  # it loads model.path, whose shape it keeps
+        return [k for k in keys if not k.startswith(("sft.", "rm.")) and k not in _TINY_MODEL]
+    if command == "rm":
+        return ["data.task", "model.path", *[k for k in keys if k.startswith("rm.")], *_RUN_BASICS]
+    arithmetic = config.data.task == "arithmetic"
+    return [
+        "data.task", *(["data.val_size"] if arithmetic else []), "model.path", "model.use_fused_kernels",
+        *([] if config.model.path else _TINY_MODEL),
+        *[k for k in keys if k.startswith("sft.") and (arithmetic or k != "sft.teacher_carry_error")], *_RUN_BASICS,
+    ]  # fmt: skip
+
+
+def settings_help(command: str) -> str:
+    """``refppo <command> --help``: every setting the command reads with its defaults (for sft: the
+    arithmetic task and a fresh tiny model), as ``key=default`` with the valid values."""
+    config = Config()
+    config.trainer.output_dir = f"runs/{command}"
+    named = choices()
+    rows = []
+    for key in read_settings(command, config):
+        value = get_value(config, key)
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else text
+        rows.append((f"{key}={text}", " | ".join(named[key]) if key in named else RANGES.get(key, "")))
+    width = max(len(setting) for setting, _ in rows) + 2
+    lines = [f"usage: refppo {command} [key=value ...]", "", "settings (key=default, then the valid values):"]
+    return "\n".join(lines + [f"  {setting.ljust(width)}{valid}".rstrip() for setting, valid in rows])
+
+
+def check_overrides_are_read(command: str, config: Config, overrides: list[str]) -> None:
+    """Refuse an override that ``refppo <command>`` would ignore, naming why.
+
+    Args:
+        command: "sft", "rm" or "ppo".
+        config: the settings after the overrides.
+        overrides: the ``key=value`` texts given.
+    """
+    read = read_settings(command, config)
+    for key in (item.partition("=")[0].strip() for item in overrides):
+        if key in read:
+            continue
+        section = key.split(".")[0]
+        if key in _UNREAD_BECAUSE:
+            why = _UNREAD_BECAUSE[key]
+        elif key in _TINY_MODEL:
+            why = "the model's shape comes from model.path"
+        elif section in ("sft", "rm"):
+            why = f"it is a setting of refppo {section}"
+        elif any(k.startswith(section + ".") for k in read):
+            why = f"of {section}.* it reads {', '.join(k for k in read if k.startswith(section + '.'))}"
+        else:
+            why = "it is a setting of refppo ppo"
+        raise ValueError(f"refppo {command} does not read {key} ({why}): drop it")
 
 
 def _device(config: Config) -> torch.device:
@@ -235,21 +308,22 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "plot":
         return run_plot(argv[1:])
+    asked = bool(argv) and argv[0] in ("-h", "--help")
     if not argv or argv[0] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
-        print(f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]\n       refppo plot RUN [RUN ...] -m METRIC -o FILE", file=sys.stderr)
-        return 2
+        out = sys.stdout if asked else sys.stderr
+        print(__doc__, file=out)
+        print(f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]   (refppo COMMAND --help: its settings)\n"
+              "       refppo plot RUN [RUN ...] -m METRIC -o FILE", file=out)  # fmt: skip
+        return 0 if asked else 2
     command, overrides = argv[0], argv[1:]
+    if "-h" in overrides or "--help" in overrides:
+        print(settings_help(command))
+        return 0
     config = Config()
     config.trainer.output_dir = f"runs/{command}"
-    validate(apply_overrides(config, overrides))
+    check_overrides_are_read(command, apply_overrides(config, overrides), overrides)
+    validate(config)
     out = config.trainer.output_dir
-    if config.trainer.resume and command != "ppo":
-        raise ValueError(f"refppo {command} saves no checkpoints: trainer.resume=true is for refppo ppo")
-    if config.model.lora_rank > 0 and command != "ppo":
-        raise ValueError(f"refppo {command} trains every weight: model.lora_rank is for refppo ppo")
-    if config.model.use_fused_kernels and command == "rm":
-        raise ValueError("refppo rm trains a scalar head, with no vocabulary to fuse: model.use_fused_kernels is for sft and ppo")
     # Before any work: a run is never written over another, and a resume finds a checkpoint
     # that loads and the same settings (an empty or missing folder starts fresh).
     resume = check_resume(out, config) if config.trainer.resume else None

@@ -288,12 +288,13 @@ def in_range(value: float, spec: str) -> bool:
     return False
 
 
-def _leaf_keys(obj, prefix: str = "") -> list[str]:
+def leaf_keys(obj, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass, e.g. ``actor.optim.lr``, in declaration order."""
     keys = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            keys += _leaf_keys(value, f"{prefix}{f.name}.")
+            keys += leaf_keys(value, f"{prefix}{f.name}.")
         else:
             keys.append(prefix + f.name)
     return keys
@@ -329,7 +330,7 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
     Returns:
         ``config``.
     """
-    valid = _leaf_keys(config)
+    valid = leaf_keys(config)
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -412,27 +413,26 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def choices() -> dict[str, tuple[str, ...]]:
+    """The valid values of every setting that names one option; the registries' names included,
+    so an estimator, policy loss or KL estimator is valid once its module is imported."""
+    kl, lr = kl_penalty_types(), LR_SCHEDULERS
+    return {
+        "data.task": TASKS, "data.truncation": TRUNCATION_MODES, "actor.loss_agg_mode": LOSS_AGG_MODES,
+        "critic.loss_agg_mode": LOSS_AGG_MODES, "actor.policy_loss": POLICY_LOSSES.names(),
+        "actor.policy_mode": POLICY_MODES, "actor.kl_loss_type": kl, "actor.penalty_kl_type": kl,
+        "algorithm.kl_penalty": kl, "algorithm.kl_ctrl.type": KL_CONTROLLER_TYPES,
+        "algorithm.adv_estimator": ADV_ESTIMATORS.names(), "actor.optim.lr_scheduler_type": lr,
+        "critic.optim.lr_scheduler_type": lr, "trainer.device": ("auto", "cpu", "cuda"),
+    }  # fmt: skip
+
+
 def validate(config: Config) -> Config:
     """Raise ValueError naming the first impossible setting; returns ``config``."""
     d, a, r, alg, t = config.data, config.actor, config.rollout, config.algorithm, config.trainer
-    choices = [
-        ("data.task", d.task, TASKS),
-        ("data.truncation", d.truncation, TRUNCATION_MODES),
-        ("actor.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES),
-        ("critic.loss_agg_mode", config.critic.loss_agg_mode, LOSS_AGG_MODES),
-        ("actor.policy_loss", a.policy_loss, POLICY_LOSSES.names()),
-        ("actor.policy_mode", a.policy_mode, POLICY_MODES),
-        ("actor.kl_loss_type", a.kl_loss_type, kl_penalty_types()),
-        ("actor.penalty_kl_type", a.penalty_kl_type, kl_penalty_types()),
-        ("algorithm.kl_penalty", alg.kl_penalty, kl_penalty_types()),
-        ("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLER_TYPES),
-        ("actor.optim.lr_scheduler_type", a.optim.lr_scheduler_type, LR_SCHEDULERS),
-        ("critic.optim.lr_scheduler_type", config.critic.optim.lr_scheduler_type, LR_SCHEDULERS),
-        ("trainer.device", t.device, ("auto", "cpu", "cuda")),
-    ]
-    for key, value, valid in choices:
+    for key, valid in choices().items():
+        value = get_value(config, key)
         _require(value in valid, f"{key}={value!r} is not one of {', '.join(valid)}")
-    ADV_ESTIMATORS.get(alg.adv_estimator)  # raises on an unknown estimator
     for key, spec in RANGES.items():
         value = get_value(config, key)
         for item in value if isinstance(value, tuple) else (value,):

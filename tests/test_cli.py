@@ -144,16 +144,46 @@ def test_sft_with_fused_kernels_gives_the_same_run(sft_run, tmp_path, monkeypatc
 @pytest.mark.parametrize(
     "command, extra, message",
     [
-        ("sft", ["model.lora_rank=4"], "refppo sft trains every weight: model.lora_rank is for refppo ppo"),
-        ("rm", ["model.lora_rank=4"], "refppo rm trains every weight"),
-        ("rm", ["model.use_fused_kernels=true"], "refppo rm trains a scalar head.*use_fused_kernels is for sft and ppo"),
+        ("sft", ["model.lora_rank=4"], r"refppo sft does not read model.lora_rank \(it trains every weight\): drop it"),
+        ("rm", ["model.lora_alpha=4"], r"refppo rm does not read model.lora_alpha \(it trains every weight\)"),
+        ("rm", ["model.use_fused_kernels=true"], r"refppo rm does not read model.use_fused_kernels \(it trains a scalar head"),
+        ("sft", ["trainer.resume=true"], r"refppo sft does not read trainer.resume \(it saves no checkpoints\)"),
+        ("rm", ["model.hidden_size=64"], r"refppo rm does not read model.hidden_size \(the model's shape comes from model.path\)"),
+        ("sft", ["model.num_key_value_heads=1"], r"refppo sft does not read model.num_key_value_heads \(the model's shape"),
+        ("ppo", ["model.arch=qwen2"], r"refppo ppo does not read model.arch \(the model's shape comes from model.path\)"),
+        ("sft", ["actor.optim.lr=1e-3"], r"refppo sft does not read actor.optim.lr \(it is a setting of refppo ppo\)"),
+        ("rm", ["sft.steps=3"], r"refppo rm does not read sft.steps \(it is a setting of refppo sft\)"),
+        ("ppo", ["rm.steps=3"], r"refppo ppo does not read rm.steps \(it is a setting of refppo rm\)"),
+        ("sft", ["trainer.total_training_steps=3"],
+         r"refppo sft does not read trainer.total_training_steps \(of trainer.\* it reads trainer.seed, trainer.device, trainer.output_dir, trainer.progress_bar\)"),
+        ("rm", ["data.max_response_length=4"], r"refppo rm does not read data.max_response_length \(of data.\* it reads data.task\)"),
+        ("sft", ["sft.teacher_carry_error=0.5"], r"refppo sft does not read sft.teacher_carry_error \(only arithmetic has a teacher"),
+        ("sft", ["data.val_size=10"], r"refppo sft does not read data.val_size \(it holds out problems only for data.task=arithmetic\)"),
     ],
-)
+)  # fmt: skip
 def test_options_a_command_would_ignore_are_refused(sft_run, tmp_path, command, extra, message):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
         main([command, f"trainer.output_dir={out}", "data.task=preference", f"model.path={sft_run}/model", *extra])
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["sft", "rm", "ppo"])
+def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_back(command, capsys):
+    from refppo.cli import read_settings
+    from refppo.config import apply_overrides
+
+    assert main([command, "--help"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    settings = [row[0] for row in rows]
+    assert [s.partition("=")[0] for s in settings] == read_settings(command, Config())
+    expected = Config()
+    expected.trainer.output_dir = f"runs/{command}"
+    assert apply_overrides(Config(), settings) == expected  # each line is the default, as an override
+    valid = {row[0].partition("=")[0]: " ".join(row[1:]) for row in rows}
+    assert valid["trainer.device"] == "auto | cpu | cuda" and valid["trainer.seed"] == "[0, inf)"
+    if command == "ppo":
+        assert valid["algorithm.adv_estimator"] == "gae | grpo | rloo" and valid["actor.clip_ratio_c"] == "(1, inf)"
 
 
 def test_sft_refuses_fused_kernels_for_an_unsupported_model_before_any_write(sft_run, tmp_path):
@@ -173,7 +203,7 @@ def test_sft_refuses_fused_kernels_for_an_unsupported_model_before_any_write(sft
     assert not out.exists()
 
 
-def test_bad_config_and_paths(tmp_path):
+def test_bad_config_and_paths(tmp_path, capsys):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="did you mean actor.clip_ratio"):
         main(["ppo", "actor.clip_ration=0.1", f"trainer.output_dir={out}"])
@@ -183,6 +213,7 @@ def test_bad_config_and_paths(tmp_path):
         main(["ppo", f"model.path={tmp_path}/missing", f"trainer.output_dir={out}"])
     assert not out.exists()
     assert main([]) == 2
+    assert main(["--help"]) == 0 and "refppo COMMAND --help" in capsys.readouterr().out
 
 
 def test_python_dash_m_entry_point(tmp_path):

@@ -5,7 +5,7 @@ import typing
 
 import pytest
 
-from refppo.config import RANGES, Config, _leaf_keys, _owner, apply_overrides, config_from_dict, config_to_dict, get_value, in_range, validate
+from refppo.config import RANGES, Config, leaf_keys, _owner, apply_overrides, config_from_dict, config_to_dict, get_value, in_range, validate
 
 
 def test_overrides_are_typed():
@@ -124,7 +124,7 @@ def test_every_numeric_setting_has_a_valid_range():
     """A new numeric field must declare its range, or validation would let NaN and inf through."""
     config = Config()
     numeric = []
-    for key in _leaf_keys(config):
+    for key in leaf_keys(config):
         value = get_value(config, key)
         hint = str(typing.get_type_hints(type(_owner(config, key)[0]))[key.rsplit(".", 1)[1]])
         if isinstance(value, (int, float, tuple)) and not isinstance(value, bool) or "int" in hint or "float" in hint:

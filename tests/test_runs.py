@@ -99,7 +99,7 @@ def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
     with pytest.raises(FileExistsError, match="is a file, not a run folder"):
         main(["sft", f"trainer.output_dir={tmp_path / 'a_file'}"])
     assert (tmp_path / "a_file").read_text() == "mine"
-    with pytest.raises(ValueError, match="refppo sft saves no checkpoints"):
+    with pytest.raises(ValueError, match=r"refppo sft does not read trainer.resume \(it saves no checkpoints\)"):
         main(["sft", "trainer.resume=true", f"trainer.output_dir={tmp_path / 'r'}"])
     assert _snapshot(tmp_path / "r") == before
 
