@@ -183,7 +183,8 @@ def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_bac
     valid = {row[0].partition("=")[0]: " ".join(row[1:]) for row in rows}
     assert valid["trainer.device"] == "auto | cpu | cuda" and valid["trainer.seed"] == "[0, inf)"
     if command == "ppo":
-        assert valid["algorithm.adv_estimator"] == "gae | grpo | rloo" and valid["actor.clip_ratio_c"] == "(1, inf)"
+        # Registered estimators are valid too (test_registry.py adds some when it is imported).
+        assert valid["algorithm.adv_estimator"].startswith("gae | grpo | rloo") and valid["actor.clip_ratio_c"] == "(1, inf)"
 
 
 def test_sft_refuses_fused_kernels_for_an_unsupported_model_before_any_write(sft_run, tmp_path):
