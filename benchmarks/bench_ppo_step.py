@@ -18,7 +18,9 @@ refppo the way TRL does.
 
 Each side runs in a fresh process (its own peak memory), alternating for ``--rounds`` rounds;
 a round is one warm-up step and ``--steps`` timed steps. The summary line per workload gives each
-side's median over all its timed steps and ``speedup`` = TRL's median / refppo's.
+side's median over all its timed steps and ``speedup`` = the second side's median / the first's
+(TRL's / refppo's by default). ``--impls refppo+,refppo --plus "k=v ..."`` sets refppo against
+itself with the ``--plus`` overrides on one side (``refppo+``), e.g. to measure an option.
 
 Workloads (issue 15):
 
@@ -36,7 +38,7 @@ On CUDA the weights and optimisers are float32 and forward passes autocast to bf
 loop included). Peak memory: CUDA, the peak allocated; CPU, the process's peak resident set.
 
 Usage: python benchmarks/bench_ppo_step.py [--workloads W1,W2] [--impls refppo,trl] [--rounds 3]
-       [--steps 5] [--threads N] [--device cpu|cuda] [--json out.json]
+       [--steps 5] [--threads N] [--device cpu|cuda] [--json out.json] [--plus "key=value ..."]
        [key=value ...]   (refppo config overrides, e.g. actor.policy_mode=bypass)
 """
 
@@ -229,16 +231,17 @@ def time_trl(name: str, device: str, steps: int, on_step_end=None) -> dict:
 
 def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...]) -> dict:
     """One implementation on one workload in this process, with its peak memory: CUDA, the
-    peak allocated (weights included); CPU, the process's peak resident set."""
+    peak allocated (weights included); CPU, the process's peak resident set. ``extra``: refppo's
+    overrides (refppo+'s ``--plus`` included)."""
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    r = time_refppo(name, device, steps, extra) if impl == "refppo" else time_trl(name, device, steps)
+    r = time_trl(name, device, steps) if impl == "trl" else time_refppo(name, device, steps, extra)
     w = WORKLOADS[name]
     step = statistics.median(r["step_s_all"])
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
-        "impl": impl, "workload": name, "device": device, "overrides": list(extra) if impl == "refppo" else [], **r, "step_s": step,
+        "impl": impl, "workload": name, "device": device, "overrides": [] if impl == "trl" else list(extra), **r, "step_s": step,
         "tokens_per_s": w["prompts"] * (w["prompt_len"] + w["response_len"]) / step,
         "generated_tokens_per_s": w["prompts"] * w["response_len"] / r["phases_s"]["gen"] if "gen" in r["phases_s"] else None,
         "peak_memory_gb": peak / 2**30,
@@ -254,32 +257,37 @@ def in_subprocess(impl: str, name: str, device: str, steps: int, extra: tuple[st
         return json.loads(Path(f.name).read_text())[0]
 
 
-def summary(results: list[dict]) -> list[dict]:
+def summary(results: list[dict], impls: list[str]) -> list[dict]:
     """Per workload: each implementation's median step over all its timed steps and rounds, the
-    ratio TRL / refppo (refppo's speed-up) overall, per round and its median over the rounds."""
+    ratio second / first of ``impls`` (the first's speed-up: TRL / refppo by default) overall,
+    per round and its median over the rounds."""
     rows = []
     for name in dict.fromkeys(r["workload"] for r in results):
-        by = {i: [r for r in results if r["workload"] == name and r["impl"] == i] for i in ("refppo", "trl")}
+        by = {i: [r for r in results if r["workload"] == name and r["impl"] == i] for i in impls}
         med = {i: statistics.median(t for r in rs for t in r["step_s_all"]) for i, rs in by.items() if rs}
         row = {"workload": name, **{f"{i}_step_s": v for i, v in med.items()}}
         for i, rs in by.items():
             if rs:
                 row[f"{i}_peak_memory_gb"] = max(r["peak_memory_gb"] for r in rs)
         if len(med) == 2:
-            row["speedup"] = med["trl"] / med["refppo"]
-            row["speedup_per_round"] = [t["step_s"] / r["step_s"] for r, t in zip(by["refppo"], by["trl"])]
+            first, second = impls
+            row["speedup"] = med[second] / med[first]
+            row["speedup_per_round"] = [t["step_s"] / r["step_s"] for r, t in zip(by[first], by[second])]
             # Neighbouring rounds share the machine's state, so this moves less with its drift.
             row["speedup_median_round"] = statistics.median(row["speedup_per_round"])
         rows.append(row)
     return rows
 
 
-def checked_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def checked_choices(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, known: tuple[str, ...] = ("refppo", "trl")
+) -> tuple[list[str], list[str]]:
     """``--impls`` and ``--workloads`` as lists, after refusing what cannot run, before any work:
-    an unknown name, TRL not installed, a workload TRL cannot run."""
+    an unknown name (``known`` lists the implementations), TRL not installed, a workload TRL
+    cannot run."""
     impls, names = args.impls.split(","), args.workloads.split(",")
-    if unknown := set(impls) - {"refppo", "trl"}:
-        parser.error(f"--impls: unknown {sorted(unknown)}; choose from refppo, trl")
+    if unknown := set(impls) - set(known):
+        parser.error(f"--impls: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     if unknown := set(names) - set(WORKLOADS):
         parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
     if "trl" in impls:
@@ -302,12 +310,22 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--plus", default="", help='the refppo+ side\'s overrides, on top of the others, e.g. "model.use_fused_kernels=true"')
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    impls, names = checked_choices(parser, args)
+    impls, names = checked_choices(parser, args, ("refppo", "refppo+", "trl"))
+    if len(impls) != len(set(impls)) or len(impls) > 2:
+        parser.error("--impls: one or two different implementations")
+    if ("refppo+" in impls) != bool(args.plus) and not args.worker:  # a worker gets refppo+'s among the overrides
+        parser.error("--plus gives the refppo+ side's overrides: use both or neither")
+    plus = tuple(args.plus.split())
+    try:  # an unknown key or a bad value, before any work (the workload's sizes are checked with them later)
+        apply_overrides(Config(), [*args.overrides, *plus])
+    except ValueError as e:
+        parser.error(str(e))
     if args.worker:
         results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides))]
     else:
@@ -315,7 +333,8 @@ def main() -> None:
         for name in names:
             for round_ in range(args.rounds):
                 for impl in impls if round_ % 2 == 0 else impls[::-1]:
-                    r = in_subprocess(impl, name, args.device, args.steps, tuple(args.overrides), args.threads)
+                    extra = tuple(args.overrides) + (plus if impl == "refppo+" else ())
+                    r = in_subprocess(impl, name, args.device, args.steps, extra, args.threads)
                     results.append(r)
                     phases = "  ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
                     print(
@@ -326,7 +345,7 @@ def main() -> None:
                         f"warm-up step {r['warmup_step_s']:.1f} s {'| ' + phases if phases else ''}",
                         flush=True,
                     )
-        for row in summary(results):
+        for row in summary(results, impls):
             print(json.dumps(row))
     if args.json:
         with open(args.json, "w") as f:

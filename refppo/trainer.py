@@ -357,11 +357,13 @@ class PPOTrainer:
 
     # ---- one step ----------------------------------------------------------------------
     def _timed(self, timing: dict, name: str, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``, its wall time (device work included) stored as ``timing_s/<name>``."""
+        """``fn(*args, **kwargs)``, its wall time (device work included) stored as ``timing_s/<name>``;
+        in a ``torch.profiler`` trace its operators sit under a range of that name."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        out = fn(*args, **kwargs)
+        with torch.profiler.record_function(f"timing_s/{name}"):
+            out = fn(*args, **kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timing[f"timing_s/{name}"] = time.perf_counter() - start
