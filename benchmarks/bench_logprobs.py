@@ -8,18 +8,23 @@ instead, and the two variants are refppo's two paths (issue 15, ``model.use_fuse
 ``head`` = the head's logits, then the chunked log-softmax; ``fused`` = ``logprobs_from_hidden``,
 which never holds the logits.
 
+``--pair A,B`` picks the two variants: also ``compiled`` (the chunked log-softmax with
+``compiled=True``, ``actor.use_torch_compile``) and ``fused_compiled``. A compiled variant is
+compiled on a small input before the measured inputs exist, and the peak is reset after it, so
+neither the compilation's time nor the compiler's own memory is counted.
+
 For forward+backward the gradient itself (the size of the logits, which every implementation
 must return) is subtracted: the table shows the memory on top of it.
 Each (variant, pass) is measured in a fresh subprocess so that peak memory is its own:
 on the CPU the peak resident set size above the level reached after allocating the inputs,
 on CUDA torch.cuda.max_memory_allocated above the same level.
 Usage: python benchmarks/bench_logprobs.py [--device cpu|cuda] [--dtype float32|bfloat16]
-       [--tokens N] [--vocab V] [--hidden H] [--chunk-elements N]
+       [--tokens N] [--vocab V] [--hidden H] [--chunk-elements N] [--pair A,B]
 """
 
 import argparse
+import ctypes
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,13 +60,35 @@ def fused(hidden, weight, labels):
     return logprobs_from_hidden(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]))
 
 
-VARIANTS = {"naive": naive, "chunked": chunked, "head": head, "fused": fused}
+def compiled(logits, labels):
+    return logprobs_from_logits(logits, labels, chunk_size=rows_per_chunk(logits.shape[-1]), compiled=True)
+
+
+def fused_compiled(hidden, weight, labels):
+    return logprobs_from_hidden(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]), compiled=True)
+
+
+VARIANTS = {"naive": naive, "chunked": chunked, "head": head, "fused": fused, "compiled": compiled, "fused_compiled": fused_compiled}
+FROM_HIDDEN = {"head", "fused", "fused_compiled"}
 
 
 def peak_bytes(device):
+    """CUDA: the peak allocated; CPU: the process's peak resident set (VmHWM)."""
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def reset_peak(device):
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return
+    # Memory freed since (the compiler's) stays resident until handed back, and would absorb the
+    # measured variant's allocations unseen; then the peak resident set falls to the current one.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def draw_inputs(tokens, vocab, hidden, device, dtype):
@@ -72,8 +99,22 @@ def draw_inputs(tokens, vocab, hidden, device, dtype):
     return [torch.empty(shape, device=device, dtype=getattr(torch, dtype)).normal_(0, hidden**-0.25 if hidden else 2.0) for shape in shapes]
 
 
+def run_once(fn, inputs, labels, backward):
+    out = fn(*inputs, labels)
+    if backward:
+        out.sum().backward()
+    return out
+
+
 def measure(variant, backward, device, dtype, tokens, vocab, hidden, repeats):
     fn = VARIANTS[variant]
+    if variant.endswith("compiled"):  # compile first, on an input too small to matter
+        small = draw_inputs(min(tokens, 64), vocab, hidden, device, dtype)
+        for x in small:
+            x.requires_grad_(backward)
+        run_once(fn, small, torch.randint(0, vocab, (small[0].shape[0],), device=device), backward)
+        del small
+        reset_peak(device)
     inputs = draw_inputs(tokens, vocab, hidden, device, dtype)
     labels = torch.randint(0, vocab, (tokens,), device=device)
     for x in inputs:
@@ -87,9 +128,7 @@ def measure(variant, backward, device, dtype, tokens, vocab, hidden, repeats):
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = fn(*inputs, labels)
-        if backward:
-            out.sum().backward()
+        out = run_once(fn, inputs, labels, backward)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -110,6 +149,7 @@ def main():
     p.add_argument("--hidden", type=int, default=0, help="> 0: from hidden states of this width through an LM head")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chunk-elements", type=int, help="rows x vocab per chunk (default: refppo's)")
+    p.add_argument("--pair", help="the two variants compared, e.g. chunked,compiled (default: naive,chunked; head,fused with --hidden)")
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "BACKWARD"))
     a = p.parse_args()
     global CHUNK_ELEMENTS
@@ -119,15 +159,19 @@ def main():
         print(json.dumps(r))
         return
     gen = torch.Generator().manual_seed(1)
-    names = ("head", "fused") if a.hidden else ("naive", "chunked")
+    names = tuple(a.pair.split(",")) if a.pair else ("head", "fused") if a.hidden else ("naive", "chunked")
+    if len(names) != 2 or not set(names) <= set(VARIANTS) or len({n in FROM_HIDDEN for n in names}) != 1:
+        p.error(f"--pair takes two of {', '.join(VARIANTS)}, both from logits or both from hidden states ({', '.join(sorted(FROM_HIDDEN))})")
+    if (names[0] in FROM_HIDDEN) != bool(a.hidden):
+        p.error("variants from hidden states need --hidden H > 0, the others --hidden 0")
     if a.hidden:
         h, w = torch.randn(64, 32, generator=gen).to(a.device), torch.randn(1000, 32, generator=gen).to(a.device)
         labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
-        err = (fused(h, w, labels) - head(h, w, labels)).abs().max().item()
+        err = (VARIANTS[names[1]](h, w, labels) - VARIANTS[names[0]](h, w, labels)).abs().max().item()
     else:
         logits = torch.randn(64, 1000, generator=gen).to(a.device)
         labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
-        err = (chunked(logits, labels) - naive(logits, labels)).abs().max().item()
+        err = (VARIANTS[names[1]](logits, labels) - VARIANTS[names[0]](logits, labels)).abs().max().item()
     print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
           f"chunk_elements={a.chunk_elements or 'default'} threads={torch.get_num_threads()}  max |{names[1]} - {names[0]}| = {err:.1e}")
     print(f"{'pass':<18}{names[0] + ' MiB':>11}{names[1] + ' MiB':>13}{'mem ratio':>11}{names[0] + ' ms':>10}{names[1] + ' ms':>12}{'speed-up':>10}")

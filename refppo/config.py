@@ -92,6 +92,10 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     grad_clip: float = 1.0
+    # Every log-prob pass of the run (sampling, old, reference, update) reduces its logits with
+    # kernels made by torch.compile, one fused kernel per block instead of several float32 passes
+    # (verl's name; its default is true). The first steps compile them, once per process.
+    use_torch_compile: bool = False
 
 
 @dataclass

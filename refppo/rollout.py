@@ -225,6 +225,7 @@ def sample_next_token(
     top_p: float = 1.0,
     do_sample: bool = True,
     generator: torch.Generator | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and its log-prob under softmax(logits / temperature).
 
@@ -238,6 +239,8 @@ def sample_next_token(
         top_p: keep the smallest set of most likely tokens with mass >= top_p; 1 keeps all.
         do_sample: False picks the argmax (greedy, for evaluation).
         generator: random source for sampling.
+        compiled: the log-prob from torch.compile's fused kernels
+            (:func:`refppo.functional.logprobs_from_logits`).
 
     Returns:
         (tokens (B,) int64, log_probs (B,) float32).
@@ -248,7 +251,7 @@ def sample_next_token(
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     else:
         tokens = scaled.argmax(dim=-1)
-    return tokens, logprobs_from_logits(logits, tokens, temperature)
+    return tokens, logprobs_from_logits(logits, tokens, temperature, compiled=compiled)
 
 
 def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n):
@@ -348,6 +351,7 @@ def generate(
     n: int = 1,
     generator: torch.Generator | None = None,
     decoder: StaticDecoder | None = None,
+    compiled: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Sample responses token by token with a KV cache, recording each token's log-prob.
 
@@ -370,6 +374,7 @@ def generate(
         generator: random source for sampling.
         decoder: a :class:`StaticDecoder` of ``model`` (a static KV cache, each decoding step
             replayed from a CUDA graph); None decodes eagerly with a growing cache.
+        compiled: the sampled tokens' log-probs from torch.compile's fused kernels.
 
     Returns:
         The batch dict described in the module docstring, B = N * n rows.
@@ -410,7 +415,7 @@ def generate(
     with decode_attention(model), autocast(device):
         out = model(input_ids=prompts, use_cache=True, logits_to_keep=1, **{cache_key: cache}, **inputs(0, width))
     for step in range(max_new_tokens):
-        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
+        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator, compiled)
         is_valid = ~done
         token = token.masked_fill(done, pad_token_id)
         tokens.append(token)
@@ -585,7 +590,12 @@ def _forward(model, batch: dict[str, torch.Tensor], **kwargs):
 
 
 def response_log_probs(
-    model, batch: dict[str, torch.Tensor], temperature: float = 1.0, calculate_entropy: bool = False, fused: bool = False
+    model,
+    batch: dict[str, torch.Tensor],
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    fused: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass: log-probs (and entropies) of the response tokens, with gradients.
 
@@ -598,6 +608,8 @@ def response_log_probs(
         fused: compute them from the final hidden states and the LM head's weight a chunk at a
             time, never holding the (B, R, vocab) logits (``model.use_fused_kernels``; the
             model must pass :func:`refppo.models.check_fused_kernels`).
+        compiled: reduce the logits with torch.compile's fused kernels (``actor.use_torch_compile``;
+            :func:`refppo.functional.logprobs_from_logits`).
 
     Returns:
         (log_probs (B, R) float32, entropy (B, R) float32 or None), 0 at padding.
@@ -612,7 +624,7 @@ def response_log_probs(
         with trainable_forward(model.device):
             hidden, weight = final_hidden_states(model, **_inputs(model, batch))
             hidden = hidden[:, -width - 1 : -1]
-            out = logprobs_from_hidden(hidden, weight, labels, temperature, calculate_entropy=calculate_entropy)
+            out = logprobs_from_hidden(hidden, weight, labels, temperature, calculate_entropy=calculate_entropy, compiled=compiled)
     else:
         # The positions as an index tensor, not a count: the head then reads a contiguous copy of
         # them, not a strided slice, whose matrix-product path torch picks by the weight's
@@ -621,7 +633,7 @@ def response_log_probs(
         length = batch["input_ids"].shape[1]
         keep = torch.arange(length - width - 1, length - 1, device=model.device)
         logits = _forward(model, batch, logits_to_keep=keep).logits
-        out = logprobs_from_logits(logits, labels, temperature, calculate_entropy=calculate_entropy)
+        out = logprobs_from_logits(logits, labels, temperature, calculate_entropy=calculate_entropy, compiled=compiled)
     log_probs, entropy = out if calculate_entropy else (out, None)
     return log_probs.masked_fill(~mask, 0.0), entropy.masked_fill(~mask, 0.0) if calculate_entropy else None
 
@@ -651,6 +663,7 @@ def compute_log_probs(
     calculate_entropy: bool = False,
     max_tokens: int | None = None,
     fused: bool = False,
+    compiled: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Old or reference log-probs of the responses, micro-batched, without gradients.
 
@@ -663,13 +676,14 @@ def compute_log_probs(
         max_tokens: instead of ``micro_batch_size``, a token budget per forward pass
             (:func:`token_budget_micro_batches`).
         fused: from the final hidden states, without whole logits (see :func:`response_log_probs`).
+        compiled: with torch.compile's fused kernels (see :func:`response_log_probs`).
 
     Returns:
         (B, R) float32 log-probs, 0 at padding; with ``calculate_entropy`` a (log_probs,
         entropy) pair.
     """
     def fn(mb):
-        return [t for t in response_log_probs(model, mb, temperature, calculate_entropy, fused) if t is not None]
+        return [t for t in response_log_probs(model, mb, temperature, calculate_entropy, fused, compiled) if t is not None]
 
     parts = _per_row(fn, batch, micro_batch_size, max_tokens)
     return tuple(parts) if calculate_entropy else parts[0]

@@ -136,6 +136,7 @@ class PPOTrainer:
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
         self.fused = c.model.use_fused_kernels
+        self.compiled = c.actor.use_torch_compile
         if self.fused:
             check_fused_kernels(actor)
             if self.need_ref:
@@ -177,6 +178,7 @@ class PPOTrainer:
             n=n,
             generator=self.gen,
             decoder=self.decoder,
+            compiled=self.compiled,
         )
 
     def _texts(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -226,7 +228,7 @@ class PPOTrainer:
             micro = c.ref.log_prob_micro_batch_size_per_gpu
             batch["ref_log_prob"] = self._timed(
                 timing, "ref", compute_log_probs, self.reference, batch, temp, micro,
-                max_tokens=token_budget(c.actor), fused=self.fused,
+                max_tokens=token_budget(c.actor), fused=self.fused, compiled=self.compiled,
             )
         if c.actor.policy_mode == "bypass":
             batch["old_log_probs"] = batch["rollout_log_probs"]
@@ -234,7 +236,7 @@ class PPOTrainer:
             micro = c.rollout.log_prob_micro_batch_size_per_gpu
             batch["old_log_probs"] = self._timed(
                 timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro,
-                max_tokens=token_budget(c.actor), fused=self.fused,
+                max_tokens=token_budget(c.actor), fused=self.fused, compiled=self.compiled,
             )
         if c.actor.policy_mode == "rollout_correction":
             batch["rollout_is_weights"] = compute_rollout_is_weights(
@@ -323,7 +325,9 @@ class PPOTrainer:
     def _actor_loss(self, mb):
         a, temp = self.config.actor, self.config.rollout.temperature
         mask = mb["response_mask"]
-        log_prob, entropy = response_log_probs(self.actor, mb, temp, calculate_entropy=True, fused=self.fused)
+        log_prob, entropy = response_log_probs(
+            self.actor, mb, temp, calculate_entropy=True, fused=self.fused, compiled=self.compiled
+        )
         scale = self._loss_scale_factor(a.loss_scale_factor)
         pg_loss, pg_metrics = POLICY_LOSSES.call(
             a.policy_loss, old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],

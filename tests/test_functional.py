@@ -331,6 +331,69 @@ def test_logprobs_from_hidden_hold_no_whole_logits():
     assert peaks["fused"] < logits_bytes / 8, peaks
 
 
+def test_compiled_blocks_match_float64_and_replace_the_eager_ones(monkeypatch):
+    """compiled=True (torch.compile's fused kernels, as actor.use_torch_compile runs them): the
+    log-probs, entropies and both gradients of a plain float64 log-softmax, over blocks with a
+    remainder, for float32 and bf16 logits and through the fused head; every block goes through
+    the compiled functions, and with compiled=False none does."""
+    import refppo.functional as F
+
+    calls = []
+
+    def spy(name, fn):
+        def call(*args):
+            calls.append(name)
+            return fn(*args)
+
+        return call
+
+    forward, backward = F._compiled_kernels()
+    monkeypatch.setattr(F, "_compiled_kernels", lambda: (spy("forward", forward), spy("backward", backward)))
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(3, 5, 11, generator=gen) * 3).requires_grad_()
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+    w1, w2 = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    logp, ent = logprobs_from_logits(logits, labels, 0.7, 4, calculate_entropy=True, compiled=True)
+    ((logp * w1).sum() + (ent * w2).sum()).backward()
+    assert calls == ["forward"] * 4 + ["backward"] * 4, calls  # 15 rows in blocks of 4
+    x = logits.detach().double().requires_grad_()
+    ls = torch.log_softmax(x / 0.7, dim=-1)
+    ref_logp, ref_ent = ls.gather(-1, labels[..., None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    ((ref_logp * w1.double()).sum() + (ref_ent * w2.double()).sum()).backward()
+    torch.testing.assert_close(logp.double(), ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), x.grad, atol=1e-5, rtol=1e-5)
+
+    calls.clear()
+    eager = logprobs_from_logits(logits.detach(), labels, 0.7, 4, calculate_entropy=True)
+    assert calls == []
+    torch.testing.assert_close(eager, (logp.detach(), ent.detach()), atol=1e-5, rtol=1e-5)
+
+    # bf16 logits: float32 log-probs of the bf16 values, a bf16 gradient
+    xb = logits.detach().bfloat16().requires_grad_()
+    logp_b = logprobs_from_logits(xb, labels, compiled=True)
+    logp_b.sum().backward()
+    assert logp_b.dtype == torch.float32 and xb.grad.dtype == torch.bfloat16
+    y = xb.detach().double().requires_grad_()
+    ref_b = torch.log_softmax(y, -1).gather(-1, labels[..., None]).squeeze(-1)
+    ref_b.sum().backward()
+    torch.testing.assert_close(logp_b.double(), ref_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(xb.grad.double(), y.grad, atol=1e-2, rtol=1e-2)
+
+    # through the fused head: the gradients of the hidden states and of the head's weight
+    calls.clear()
+    hidden = torch.randn(3, 5, 6, generator=gen).requires_grad_()
+    weight = torch.randn(11, 6, generator=gen).requires_grad_()
+    logp, ent = logprobs_from_hidden(hidden, weight, labels, 0.7, 4, calculate_entropy=True, compiled=True)
+    ((logp * w1).sum() + (ent * w2).sum()).backward()
+    assert calls == ["forward"] * 4 + ["backward"] * 4, calls
+    h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ls = torch.log_softmax(h @ w.T / 0.7, dim=-1)
+    ((ls.gather(-1, labels[..., None]).squeeze(-1) * w1.double()).sum() + (-(ls.exp() * ls).sum(-1) * w2.double()).sum()).backward()
+    torch.testing.assert_close(hidden.grad.double(), h.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), w.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_hidden_inputs():
     h, w, y = torch.randn(2, 3, 4), torch.randn(7, 4), torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="weight"):
