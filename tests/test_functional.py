@@ -394,6 +394,26 @@ def test_compiled_blocks_match_float64_and_replace_the_eager_ones(monkeypatch):
     torch.testing.assert_close(weight.grad.double(), w.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
+def test_compiled_blocks_on_cuda_match_float64():
+    """compiled=True on CUDA (Triton kernels) with bf16 logits of a real vocabulary's width: the
+    float32 log-probs and entropies of float64, and a bf16 gradient within bf16 rounding."""
+    gen = torch.Generator().manual_seed(8)
+    logits = (torch.randn(1000, 32000, generator=gen) * 2).bfloat16().cuda().requires_grad_()
+    labels = torch.randint(0, 32000, (1000,), generator=gen).cuda()
+    w = torch.randn(1000, generator=gen).cuda()
+    logp, ent = logprobs_from_logits(logits, labels, 0.7, calculate_entropy=True, compiled=True)
+    ((logp * w).sum() + ent.sum()).backward()
+    x = logits.detach().double().requires_grad_()
+    ls = torch.log_softmax(x / 0.7, dim=-1)
+    ref_logp, ref_ent = ls.gather(-1, labels[:, None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    ((ref_logp * w.double()).sum() + ref_ent.sum()).backward()
+    torch.testing.assert_close(logp.double(), ref_logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-4, rtol=1e-4)
+    assert logits.grad.dtype == torch.bfloat16
+    assert float((logits.grad.double() - x.grad).norm() / x.grad.norm()) < 1e-2
+
+
 def test_bad_hidden_inputs():
     h, w, y = torch.randn(2, 3, 4), torch.randn(7, 4), torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="weight"):
