@@ -355,7 +355,7 @@ def logprobs_from_logits(
         calculate_entropy: also return the entropy (nats) of each softmax, from the same pass.
         compiled: reduce each block (and form its gradient) in kernels made by ``torch.compile``
             (verl's ``use_torch_compile``), which read it once where the eager code makes several
-            float32 passes over it; the first calls compile them (about 20 s on a 2-core CPU),
+            float32 passes over it; the first calls compile them (13 s on a 2-core CPU),
             and the results differ from the eager ones in the last bits.
 
     Returns:
