@@ -164,14 +164,10 @@ def main():
         p.error(f"--pair takes two of {', '.join(VARIANTS)}, both from logits or both from hidden states ({', '.join(sorted(FROM_HIDDEN))})")
     if (names[0] in FROM_HIDDEN) != bool(a.hidden):
         p.error("variants from hidden states need --hidden H > 0, the others --hidden 0")
-    if a.hidden:
-        h, w = torch.randn(64, 32, generator=gen).to(a.device), torch.randn(1000, 32, generator=gen).to(a.device)
-        labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
-        err = (VARIANTS[names[1]](h, w, labels) - VARIANTS[names[0]](h, w, labels)).abs().max().item()
-    else:
-        logits = torch.randn(64, 1000, generator=gen).to(a.device)
-        labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
-        err = (VARIANTS[names[1]](logits, labels) - VARIANTS[names[0]](logits, labels)).abs().max().item()
+    shapes = [(64, 32), (1000, 32)] if a.hidden else [(64, 1000)]  # hidden states and head, or logits
+    small = [torch.randn(shape, generator=gen).to(a.device) for shape in shapes]
+    labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
+    err = (VARIANTS[names[1]](*small, labels) - VARIANTS[names[0]](*small, labels)).abs().max().item()
     print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
           f"chunk_elements={a.chunk_elements or 'default'} threads={torch.get_num_threads()}  max |{names[1]} - {names[0]}| = {err:.1e}")
     print(f"{'pass':<18}{names[0] + ' MiB':>11}{names[1] + ' MiB':>13}{'mem ratio':>11}{names[0] + ' ms':>10}{names[1] + ' ms':>12}{'speed-up':>10}")

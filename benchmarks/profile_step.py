@@ -64,6 +64,19 @@ def kind(name: str, in_optimizer: bool) -> str | None:
     return next((k for k, names in KINDS if op in names), "elementwise and other")
 
 
+def operators(events, device: str):
+    """The profile's operators and the seconds of their own work: CPU time on a CPU, the time of
+    the kernels they launched on a GPU. Ranges (``record_function``) hold no work of their own, and
+    a kernel is counted with the operator that launched it, so neither is listed.
+
+    Yields:
+        (event, seconds).
+    """
+    for e in events:
+        if not e.is_user_annotation and e.device_type == torch.autograd.DeviceType.CPU:
+            yield e, (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1e6
+
+
 def phase_table(events, walls: dict[str, float], device: str) -> dict[str, dict[str, float]]:
     """Each phase's work by kind, in seconds, from a profile's events.
 
@@ -82,9 +95,7 @@ def phase_table(events, walls: dict[str, float], device: str) -> dict[str, dict[
     )
     optimizer_spans = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Optimizer.")]
     table = {name: {"wall": walls[name], "busy": 0.0, **dict.fromkeys(COLUMNS, 0.0), "kernels": 0} for _, _, name in phases}
-    for e in events:
-        if e.is_user_annotation or e.device_type != torch.autograd.DeviceType.CPU:
-            continue  # ranges hold no work of their own; a kernel is counted with the operator that launched it
+    for e, work in operators(events, device):
         start = e.time_range.start
         phase = next((name for a, b, name in phases if a <= start <= b), None)
         if phase is None:
@@ -93,7 +104,6 @@ def phase_table(events, walls: dict[str, float], device: str) -> dict[str, dict[
         k = kind(e.name, in_optimizer)
         if k is None:
             continue
-        work = (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1e6
         row = table[phase]
         row[k] += work
         row["busy"] += work
@@ -104,10 +114,8 @@ def phase_table(events, walls: dict[str, float], device: str) -> dict[str, dict[
 def top_operators(events, device: str, n: int) -> list[tuple[str, float, int]]:
     """The ``n`` operators with the most work over the whole profile: (name, seconds, calls)."""
     work, calls = defaultdict(float), defaultdict(int)
-    for e in events:
-        if e.is_user_annotation or e.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        work[e.name] += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1e6
+    for e, seconds in operators(events, device):
+        work[e.name] += seconds
         calls[e.name] += 1
     return [(name, work[name], calls[name]) for name in sorted(work, key=work.get, reverse=True)[:n]]
 

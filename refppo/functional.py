@@ -197,9 +197,10 @@ def _chunk_grad(raw, labels, g_lp, g_en, temperature: float, dtype: torch.dtype)
 
 @functools.cache
 def _compiled_kernels():
-    """The two block functions compiled by torch.compile (``compiled=True``): each becomes one or
-    two fused kernels that read the block once, where the eager ones make several float32 passes
-    over it. Compiled on first use, once per process (shapes are dynamic)."""
+    """The two block functions compiled by torch.compile (``compiled=True``): the forward one
+    becomes one fused kernel, the gradient two (with the label's scatter between them), where the
+    eager ones make several float32 passes over the block. Compiled on first use, once per
+    process (shapes are dynamic)."""
     return torch.compile(_chunk_logp_entropy, dynamic=True), torch.compile(_chunk_grad, dynamic=True)
 
 

@@ -331,24 +331,12 @@ def test_logprobs_from_hidden_hold_no_whole_logits():
     assert peaks["fused"] < logits_bytes / 8, peaks
 
 
-def test_compiled_blocks_match_float64_and_replace_the_eager_ones(monkeypatch):
+def test_compiled_blocks_match_float64_and_replace_the_eager_ones(compiled_kernel_calls):
     """compiled=True (torch.compile's fused kernels, as actor.use_torch_compile runs them): the
     log-probs, entropies and both gradients of a plain float64 log-softmax, over blocks with a
     remainder, for float32 and bf16 logits and through the fused head; every block goes through
     the compiled functions, and with compiled=False none does."""
-    import refppo.functional as F
-
-    calls = []
-
-    def spy(name, fn):
-        def call(*args):
-            calls.append(name)
-            return fn(*args)
-
-        return call
-
-    forward, backward = F._compiled_kernels()
-    monkeypatch.setattr(F, "_compiled_kernels", lambda: (spy("forward", forward), spy("backward", backward)))
+    calls = compiled_kernel_calls
     gen = torch.Generator().manual_seed(7)
     logits = (torch.randn(3, 5, 11, generator=gen) * 3).requires_grad_()
     labels = torch.randint(0, 11, (3, 5), generator=gen)
