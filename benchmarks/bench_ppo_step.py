@@ -20,7 +20,9 @@ Each side runs in a fresh process (its own peak memory), alternating for ``--rou
 a round is one warm-up step and ``--steps`` timed steps. The summary line per workload gives each
 side's median over all its timed steps and ``speedup`` = the second side's median / the first's
 (TRL's / refppo's by default). ``--impls refppo+,refppo --plus "k=v ..."`` sets refppo against
-itself with the ``--plus`` overrides on one side (``refppo+``), e.g. to measure an option.
+itself with the ``--plus`` overrides on one side (``refppo+``), e.g. to measure an option;
+``--chunk-elements N`` gives that side another log-softmax block size (rows x vocab elements,
+``refppo.functional._CHUNK_ELEMENTS``), with or without ``--plus``.
 
 Workloads (issue 15):
 
@@ -39,6 +41,7 @@ loop included). Peak memory: CUDA, the peak allocated; CPU, the process's peak r
 
 Usage: python benchmarks/bench_ppo_step.py [--workloads W1,W2] [--impls refppo,trl] [--rounds 3]
        [--steps 5] [--threads N] [--device cpu|cuda] [--json out.json] [--plus "key=value ..."]
+       [--chunk-elements N]
        [key=value ...]   (refppo config overrides, e.g. actor.policy_mode=bypass)
 """
 
@@ -63,6 +66,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from refppo import functional
 from refppo.config import Config, apply_overrides, validate
 from refppo.models import freeze, load_causal_lm, load_value_model, make_reference, tiny_config
 from refppo.trainer import PPOTrainer
@@ -229,10 +233,18 @@ def time_trl(name: str, device: str, steps: int, on_step_end=None) -> dict:
     return {"warmup_step_s": steps_s[0], "step_s_all": steps_s[1:], "phases_s": {}}
 
 
-def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...]) -> dict:
+def set_chunk_elements(n: int | None) -> None:
+    """Blocks of ``n`` elements (rows x vocab) for every log-softmax of refppo in this process;
+    None keeps refppo's default."""
+    if n is not None:
+        functional._CHUNK_ELEMENTS = n
+
+
+def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], chunk_elements: int | None = None) -> dict:
     """One implementation on one workload in this process, with its peak memory: CUDA, the
     peak allocated (weights included); CPU, the process's peak resident set. ``extra``: refppo's
-    overrides (refppo+'s ``--plus`` included)."""
+    overrides (refppo+'s ``--plus`` included); ``chunk_elements``: refppo's log-softmax blocks."""
+    set_chunk_elements(chunk_elements)
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -241,18 +253,22 @@ def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...]
     step = statistics.median(r["step_s_all"])
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
-        "impl": impl, "workload": name, "device": device, "overrides": [] if impl == "trl" else list(extra), **r, "step_s": step,
+        "impl": impl, "workload": name, "device": device, "overrides": [] if impl == "trl" else list(extra),
+        "chunk_elements": None if impl == "trl" else functional._CHUNK_ELEMENTS, **r, "step_s": step,
         "tokens_per_s": w["prompts"] * (w["prompt_len"] + w["response_len"]) / step,
         "generated_tokens_per_s": w["prompts"] * w["response_len"] / r["phases_s"]["gen"] if "gen" in r["phases_s"] else None,
         "peak_memory_gb": peak / 2**30,
     }  # fmt: skip
 
 
-def in_subprocess(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], threads: int | None) -> dict:
+def in_subprocess(
+    impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], threads: int | None, chunk_elements: int | None = None
+) -> dict:
     """``worker`` in a fresh Python process, so each side's peak memory is its own."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--worker", "--impls", impl, "--workloads", name, "--device", device]
-        cmd += ["--steps", str(steps), "--json", f.name, *(["--threads", str(threads)] if threads else []), *extra]
+        cmd += ["--steps", str(steps), "--json", f.name, *(["--threads", str(threads)] if threads else [])]
+        cmd += [*(["--chunk-elements", str(chunk_elements)] if chunk_elements else []), *extra]
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())[0]
 
@@ -311,6 +327,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--plus", default="", help='the refppo+ side\'s overrides, on top of the others, e.g. "model.use_fused_kernels=true"')
+    parser.add_argument("--chunk-elements", type=int, default=None, help="the refppo+ side's log-softmax blocks (rows x vocab elements)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
@@ -319,22 +336,26 @@ def main() -> None:
     impls, names = checked_choices(parser, args, ("refppo", "refppo+", "trl"))
     if len(impls) != len(set(impls)) or len(impls) > 2:
         parser.error("--impls: one or two different implementations")
-    if ("refppo+" in impls) != bool(args.plus) and not args.worker:  # a worker gets refppo+'s among the overrides
-        parser.error("--plus gives the refppo+ side's overrides: use both or neither")
+    if args.chunk_elements is not None and args.chunk_elements < 1:
+        parser.error(f"--chunk-elements must be >= 1, got {args.chunk_elements}")
+    if ("refppo+" in impls) != bool(args.plus or args.chunk_elements) and not args.worker:  # a worker gets refppo+'s among its own
+        parser.error("--plus and --chunk-elements change the refppo+ side: use refppo+ with one or both, or neither")
     plus = tuple(args.plus.split())
     try:  # an unknown key or a bad value, before any work (the workload's sizes are checked with them later)
         apply_overrides(Config(), [*args.overrides, *plus])
     except ValueError as e:
         parser.error(str(e))
     if args.worker:
-        results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides))]
+        results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides), args.chunk_elements)]
     else:
         results = []
         for name in names:
             for round_ in range(args.rounds):
                 for impl in impls if round_ % 2 == 0 else impls[::-1]:
-                    extra = tuple(args.overrides) + (plus if impl == "refppo+" else ())
-                    r = in_subprocess(impl, name, args.device, args.steps, extra, args.threads)
+                    plus_side = impl == "refppo+"
+                    extra = tuple(args.overrides) + (plus if plus_side else ())
+                    chunk = args.chunk_elements if plus_side else None
+                    r = in_subprocess(impl, name, args.device, args.steps, extra, args.threads, chunk)
                     results.append(r)
                     phases = "  ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
                     print(
