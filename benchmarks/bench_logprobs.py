@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from bench_args import positive_int
 from refppo.functional import logprobs_from_hidden, logprobs_from_logits
 
 
@@ -148,7 +149,7 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=0, help="> 0: from hidden states of this width through an LM head")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--chunk-elements", type=int, help="rows x vocab per chunk (default: refppo's)")
+    p.add_argument("--chunk-elements", type=positive_int, help="rows x vocab per chunk (default: refppo's)")
     p.add_argument("--pair", help="the two variants compared, e.g. chunked,compiled (default: naive,chunked; head,fused with --hidden)")
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "BACKWARD"))
     a = p.parse_args()

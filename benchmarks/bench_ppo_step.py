@@ -66,6 +66,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from bench_args import positive_int
 from refppo import functional
 from refppo.config import Config, apply_overrides, validate
 from refppo.models import freeze, load_causal_lm, load_value_model, make_reference, tiny_config
@@ -327,7 +328,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--plus", default="", help='the refppo+ side\'s overrides, on top of the others, e.g. "model.use_fused_kernels=true"')
-    parser.add_argument("--chunk-elements", type=int, default=None, help="the refppo+ side's log-softmax blocks (rows x vocab elements)")
+    parser.add_argument("--chunk-elements", type=positive_int, default=None, help="the refppo+ side's log-softmax blocks (rows x vocab elements)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
@@ -336,8 +337,6 @@ def main() -> None:
     impls, names = checked_choices(parser, args, ("refppo", "refppo+", "trl"))
     if len(impls) != len(set(impls)) or len(impls) > 2:
         parser.error("--impls: one or two different implementations")
-    if args.chunk_elements is not None and args.chunk_elements < 1:
-        parser.error(f"--chunk-elements must be >= 1, got {args.chunk_elements}")
     if ("refppo+" in impls) != bool(args.plus or args.chunk_elements) and not args.worker:  # a worker gets refppo+'s among its own
         parser.error("--plus and --chunk-elements change the refppo+ side: use refppo+ with one or both, or neither")
     plus = tuple(args.plus.split())

@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench_args import positive_int
 from bench_ppo_step import WORKLOADS, build, set_chunk_elements
 
 # (kind of work, aten operator names), the first that names an operator wins
@@ -159,14 +160,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--top", type=int, default=15, help="operators listed by their work")
     parser.add_argument("--json", default=None, help="also write the tables here")
-    parser.add_argument("--chunk-elements", type=int, default=None, help="refppo's log-softmax blocks (rows x vocab elements)")
+    parser.add_argument("--chunk-elements", type=positive_int, default=None, help="refppo's log-softmax blocks (rows x vocab elements)")
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
     names = args.workloads.split(",")
     if unknown := set(names) - set(WORKLOADS):
         parser.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
-    if args.chunk_elements is not None and args.chunk_elements < 1:
-        parser.error(f"--chunk-elements must be >= 1, got {args.chunk_elements}")
     if args.threads:
         torch.set_num_threads(args.threads)
     set_chunk_elements(args.chunk_elements)
