@@ -26,6 +26,8 @@ LR_SCHEDULERS = ("constant", "cosine")
 
 @dataclass
 class DataConfig:
+    """``data.*`` (verl's ``data.*``): where prompts come from, batch size and length limits."""
+
     task: str = "arithmetic"  # arithmetic | preference | file (prompts from train_files)
     train_files: str | None = None  # JSONL or Parquet with a prompt column
     val_files: str | None = None
@@ -39,6 +41,9 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
+    """``model.*`` (verl's ``actor_rollout_ref.model.*``): the actor's and reference's checkpoint,
+    or the shape of a fresh tiny model, and LoRA."""
+
     path: str | None = None  # a save_pretrained folder; None builds a fresh tiny model
     arch: str = "llama"
     hidden_size: int = 128
@@ -54,8 +59,11 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    # AdamW and verl's schedules (refppo.optim.make_optimizer): a linear warm-up from 0, then
-    # constant, or cosine down to min_lr_ratio x lr at trainer.total_training_steps.
+    """``actor.optim.*`` / ``critic.optim.*`` (verl's names under ``actor_rollout_ref.actor.optim``
+    and ``critic.optim``): AdamW and verl's schedules (:func:`refppo.optim.make_optimizer`), a
+    linear warm-up from 0, then constant, or cosine down to min_lr_ratio x lr at
+    trainer.total_training_steps."""
+
     lr: float = 1e-5
     weight_decay: float = 0.0  # verl's default is 0.01
     betas: tuple[float, float] = (0.9, 0.999)
@@ -67,6 +75,9 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
+    """``actor.*`` (verl's ``actor_rollout_ref.actor.*``): the policy loss, KL in the loss, and how
+    each batch is split into optimiser steps and forward passes."""
+
     # Defaults suit the tiny offline models; real checkpoints want ~1e-6 (verl's default).
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-5))
     ppo_mini_batch_size: int = 16  # prompts per optimiser step
@@ -100,6 +111,9 @@ class ActorConfig:
 
 @dataclass
 class RolloutConfig:
+    """``rollout.*`` (verl's ``actor_rollout_ref.rollout.*``): sampling, and the micro-batch of the
+    old-log-prob pass."""
+
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -111,16 +125,22 @@ class RolloutConfig:
 
 @dataclass
 class RefConfig:
+    """``ref.*`` (verl's ``actor_rollout_ref.ref.*``): the reference pass's micro-batch."""
+
     log_prob_micro_batch_size_per_gpu: int | None = None
 
 
 @dataclass
 class PathConfig:
+    """A ``<section>.model.path`` setting (``critic.model.path``, ``reward_model.model.path``)."""
+
     path: str | None = None
 
 
 @dataclass
 class CriticConfig:
+    """``critic.*`` (verl's ``critic.*``): the value model, its clipped loss and update schedule."""
+
     model: PathConfig = field(default_factory=PathConfig)  # None: the actor's checkpoint, fresh head
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     ppo_epochs: int | None = None  # None: actor.ppo_epochs (verl interpolates the same way)
@@ -136,6 +156,9 @@ class CriticConfig:
 
 @dataclass
 class RewardModelConfig:
+    """``reward_model.*`` (verl's ``reward_model.*``; ``reward_fn`` plays verl's
+    ``custom_reward_function``): where scores come from."""
+
     enable: bool = False  # score with the reward model at model.path
     model: PathConfig = field(default_factory=PathConfig)
     reward_fn: str | None = None  # "package.module:function"; None: the task's own rule
@@ -145,6 +168,9 @@ class RewardModelConfig:
 
 @dataclass
 class KLCtrlConfig:
+    """``algorithm.kl_ctrl.*`` (verl's names): the coefficient of the KL in the reward, fixed or
+    adaptive."""
+
     type: str = "fixed"
     kl_coef: float = 0.001
     target_kl: float = 0.1
@@ -153,6 +179,9 @@ class KLCtrlConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """``algorithm.*`` (verl's ``algorithm.*``): discounting, the advantage estimator and KL in the
+    reward."""
+
     gamma: float = 1.0
     lam: float = 1.0
     adv_estimator: str = "gae"
@@ -164,6 +193,8 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
+    """``trainer.*`` (verl's ``trainer.*``): steps, device, the run folder, checkpoints and evaluation."""
+
     total_training_steps: int = 1500
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -180,6 +211,9 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
+    """``sft.*``: ``refppo sft``'s training of the starting policy (refppo's own; verl's SFT trainer
+    is a separate program)."""
+
     steps: int = 600
     batch_size: int = 64
     lr: float = 1e-3
@@ -190,6 +224,8 @@ class SFTConfig:
 
 @dataclass
 class RMConfig:
+    """``rm.*``: ``refppo rm``'s Bradley-Terry training of the reward model (refppo's own)."""
+
     steps: int = 400
     batch_size: int = 64
     lr: float = 3e-4
@@ -199,6 +235,8 @@ class RMConfig:
 
 @dataclass
 class Config:
+    """Every section; ``refppo sft``, ``refppo rm`` and ``refppo ppo`` each read the ones they need."""
+
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
