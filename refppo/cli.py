@@ -28,6 +28,7 @@ from refppo.data import sft_examples, task_data
 from refppo.models import (
     add_lora, check_fused_kernels, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config,
 )  # fmt: skip
+from refppo.rollout import tokenize_prompts
 from refppo.runs import RunFolder, check_free, check_resume, summary
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
@@ -223,9 +224,10 @@ def run_ppo(config: Config, make_run) -> None:
     if reward_fn is None and reward_model is None:
         raise ValueError("data.task=file needs reward_model.reward_fn=package.module:function or reward_model.enable=true")
     if reward_fn is not None:  # a reward function that cannot score is found before the run folder exists
-        probe = val[:2]
-        spec = f"reward function {describe(reward_fn)}"
-        check_scores(reward_fn([r[config.data.prompt_key] for r in probe], [""] * len(probe), probe), len(probe), spec)
+        probe, d = val[:2], config.data
+        ids, _ = tokenize_prompts(tokenizer, [r[d.prompt_key] for r in probe], d.max_prompt_length, d.truncation)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # the prompts as the trainer passes them
+        check_scores(reward_fn(texts, [""] * len(probe), probe), len(probe), f"reward function {describe(reward_fn)}")
     # With a learned reward, the task's own rule is the gold score: report it, never train on it.
     extras = {"gold": task_reward} if reward_model is not None and task_reward is not None else None
     trainer = PPOTrainer(

@@ -29,7 +29,7 @@ class DataConfig:
     """``data.*`` (verl's ``data.*``): where prompts come from, batch size and length limits."""
 
     task: str = "arithmetic"  # arithmetic | preference | file (prompts from train_files)
-    train_files: str | None = None  # JSONL or Parquet with a prompt column
+    train_files: str | None = None  # JSONL or Parquet with a prompt column: texts or chats (verl's format)
     val_files: str | None = None
     prompt_key: str = "prompt"
     train_batch_size: int = 64  # prompts per step

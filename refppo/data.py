@@ -9,6 +9,7 @@ import os
 import torch
 
 from refppo.config import Config
+from refppo.rollout import encode_prompts, prompt_problem
 from refppo.tasks import arithmetic, preference
 
 
@@ -55,12 +56,15 @@ class EpochSampler:
 
 
 def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None) -> list[dict]:
-    """Prompt records from a JSONL or Parquet file; each needs a string ``prompt_key``.
+    """Prompt records from a JSONL or Parquet file; each needs a ``prompt_key`` that holds a text,
+    or a chat (a list of ``{"role", "content"}`` messages, as in verl's datasets) that the
+    trainer renders with the tokenizer's chat template (:func:`refppo.rollout.encode_prompts`).
 
     Every problem is found here, before any training, and named by file and line (row for
     Parquet): a missing file or a folder, bytes that are not UTF-8, a line that is not JSON, a
-    record without the prompt, and, given ``tokenizer`` and ``max_prompt_length``, a prompt with
-    more tokens than that (``data.truncation=error``).
+    record without the prompt or with one that is neither a text nor a chat, and, given
+    ``tokenizer``, a chat it has no template for and, given ``max_prompt_length`` too, a prompt
+    with more tokens than that (``data.truncation=error``).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(f"dataset path {path!r} is a folder; give a .jsonl or .parquet file")
@@ -87,10 +91,14 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
     if not located:
         raise ValueError(f"{path} holds no records")
     for where, rec in located:
-        if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
-            raise ValueError(f"{where}: the record has no string field {prompt_key!r} (data.prompt_key)")
+        if not isinstance(rec, dict) or prompt_key not in rec:
+            raise ValueError(f"{where}: the record has no field {prompt_key!r} (data.prompt_key)")
+        if hasattr(rec[prompt_key], "tolist"):  # Parquet: a list column arrives as a numpy array
+            rec[prompt_key] = rec[prompt_key].tolist()
+        if (problem := prompt_problem(rec[prompt_key], tokenizer)) is not None:
+            raise ValueError(f"{where}: the record's {prompt_key!r} {problem} (data.prompt_key)")
     if tokenizer is not None and max_prompt_length is not None:
-        ids = tokenizer([rec[prompt_key] for _, rec in located])["input_ids"]
+        ids = encode_prompts(tokenizer, [rec[prompt_key] for _, rec in located])
         for (where, _), length in zip(located, map(len, ids)):
             if length > max_prompt_length:
                 raise ValueError(

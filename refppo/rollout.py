@@ -145,14 +145,62 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
     return ids, mask
 
 
+def prompt_problem(prompt, tokenizer=None) -> str | None:
+    """Why ``prompt`` cannot be a prompt, or None. A prompt is a text, or a chat: a non-empty list
+    of ``{"role": str, "content": str}`` messages (verl's data format), which needs a tokenizer
+    with a chat template (checked when ``tokenizer`` is given)."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, dict):
+        return "is one message, not a chat: a chat is a list of messages"
+    if not isinstance(prompt, (list, tuple)) or not prompt or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        return 'is neither a text nor a chat (a non-empty list of {"role": ..., "content": ...} messages, strings)'
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        return "is a chat, but the tokenizer has no chat template to render it"
+    return None
+
+
+def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
+    """The token ids of each prompt, as verl's rollout builds them.
+
+    A text is encoded with the tokenizer's special tokens (a BOS where the tokenizer adds one). A
+    chat is rendered by the tokenizer's chat template with the assistant's turn opened
+    (``add_generation_prompt=True``), then encoded without adding special tokens: the template
+    writes its own, and adding them again would double the BOS of Llama-style tokenizers.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer; chats need its ``chat_template``.
+        prompts: N texts or chats (see :func:`prompt_problem`), in any mix.
+
+    Returns:
+        N lists of token ids.
+    """
+    for i, prompt in enumerate(prompts):
+        if (problem := prompt_problem(prompt, tokenizer)) is not None:
+            raise ValueError(f"prompt {i} {problem}")
+    chats = [not isinstance(p, str) for p in prompts]
+    render = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True, tokenize=False)
+    texts = [render(list(p)) if chat else p for p, chat in zip(prompts, chats)]
+    ids: list[list[int]] = [[] for _ in prompts]
+    for chat in (False, True):  # one tokenizer call for the texts, one for the chats
+        rows = [i for i, c in enumerate(chats) if c == chat]
+        if rows:
+            for i, seq in zip(rows, tokenizer([texts[i] for i in rows], add_special_tokens=not chat)["input_ids"]):
+                ids[i] = seq
+    return ids
+
+
 def tokenize_prompts(
-    tokenizer, prompts: Sequence[str], max_prompt_length: int | None = None, truncation: str = "error"
+    tokenizer, prompts: Sequence, max_prompt_length: int | None = None, truncation: str = "error"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize prompt texts into a left-padded batch (with the tokenizer's special tokens).
+    """Tokenize prompts into a left-padded batch (texts with the tokenizer's special tokens, chats
+    through its chat template: :func:`encode_prompts`).
 
     Args:
         tokenizer: a tokenizer prepared by ``refppo.models.prepare_tokenizer``.
-        prompts: N texts.
+        prompts: N texts or chats.
         max_prompt_length: longest allowed prompt in tokens; None for no limit.
         truncation: what a longer prompt gets (verl's ``data.truncation``): "error", or keep
             its "left" part, or its "right" part (the end, next to the response).
@@ -165,7 +213,7 @@ def tokenize_prompts(
         raise ValueError("prompts must be a list of texts, got one string")
     if len(prompts) == 0:
         raise ValueError("no prompts: the prompt list is empty")
-    ids = tokenizer(list(prompts))["input_ids"]  # one call: the batch is encoded at once
+    ids = encode_prompts(tokenizer, prompts)
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
             if len(seq) > max_prompt_length:

@@ -81,6 +81,45 @@ def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
     assert (out / "metrics.jsonl").exists()
 
 
+def rendered_and_right(prompts, responses, records):
+    """A gsm8k-style rule reward: the answer from the record's ``reward_model.ground_truth``;
+    -1 for a prompt that reached the reward function not rendered by the chat template."""
+    return [
+        float(r.strip() == rec["reward_model"]["ground_truth"]) if p.startswith("user: ") and p.endswith(".assistant:") else -1.0
+        for p, r, rec in zip(prompts, responses, records)
+    ]
+
+
+def test_ppo_on_chat_prompts_in_verls_format(sft_run, tmp_path):
+    """Prompts as chats (verl's datasets) from a Parquet file, rendered by the chat template the
+    model folder's tokenizer carries."""
+    import shutil
+
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "chat_model"
+    shutil.copytree(sft_run / "model", model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    tokenizer.save_pretrained(model)
+    records = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "reward_model": {"ground_truth": str(2 * i)}} for i in range(20)]
+    pd.DataFrame(records).to_parquet(tmp_path / "chats.parquet")
+    out = tmp_path / "ppo_chat"
+    args = ["ppo", f"model.path={model}", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={tmp_path / 'chats.parquet'}"]
+    overrides = [*QUICK_PPO, "data.max_prompt_length=32", "reward_model.reward_fn=test_cli:rendered_and_right"]
+    assert main(args + overrides) == 0
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(ln["critic/score/min"] >= 0 for ln in lines if "critic/score/min" in ln) and len(lines) == 3
+    assert all(ln["val/score"] >= 0 for ln in lines if "val/score" in ln)
+    with pytest.raises(ValueError, match="the record's 'prompt' is a chat, but the tokenizer has no chat template"):
+        main(["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={tmp_path / 'no_template'}", *args[3:], *overrides])
+    assert not (tmp_path / "no_template").exists()
+
+
 def returns_strings(prompts, responses, records):
     return ["good"] * len(responses)
 
@@ -94,7 +133,7 @@ def returns_none(prompts, responses, records):
     [
         (["data.train_files=/nowhere/x.jsonl"], FileNotFoundError, "does not exist"),
         (["data.train_files={bad}"], ValueError, "bad.jsonl:2 is not valid JSON"),
-        (["data.train_files={nokey}"], ValueError, "nokey.jsonl:1: the record has no string field 'prompt'"),
+        (["data.train_files={nokey}"], ValueError, "nokey.jsonl:1: the record has no field 'prompt'"),
         (["data.train_files={latin1}"], ValueError, "latin1.jsonl:2 is not UTF-8 text"),
         (["data.train_files={long}"], ValueError, "long.jsonl:3: the prompt has 2[0-9] tokens, more than data.max_prompt_length=16"),
         (["data.train_files={good}", "data.val_files={long}"], ValueError, "long.jsonl:3: the prompt has"),

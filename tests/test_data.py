@@ -1,6 +1,9 @@
+import json
+
 import pytest
 
-from refppo.data import EpochSampler
+from refppo.data import EpochSampler, load_records
+from refppo.tasks.tokenizer import build_tokenizer
 
 
 def test_epoch_sampler_epochs_and_state():
@@ -13,3 +16,50 @@ def test_epoch_sampler_epochs_and_state():
     assert sampler.next_batch() == after
     with pytest.raises(ValueError, match="the dataset is empty"):
         EpochSampler([], 4, 0)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+# verl's data format (e.g. its gsm8k preprocessing): the prompt is a chat, the answer in a struct.
+CHAT_RECORDS = [
+    {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "reward_model": {"ground_truth": str(2 * i), "style": "rule"}}
+    for i in range(3)
+]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_chat_prompts_load_from_jsonl_and_parquet_alike(tmp_path):
+    """A Parquet file gives the same records as the JSONL one (its list columns arrive as numpy
+    arrays), text prompts and chats alike."""
+    import pandas as pd
+
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    texts = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(3)]
+    for name, records in (("texts", texts), ("chats", CHAT_RECORDS)):
+        pd.DataFrame(records).to_parquet(tmp_path / f"{name}.parquet")
+        from_jsonl = load_records(write_jsonl(tmp_path / f"{name}.jsonl", records), "prompt", tok, 32)
+        assert from_jsonl == records
+        assert load_records(str(tmp_path / f"{name}.parquet"), "prompt", tok, 32) == records
+
+
+def test_chat_prompts_are_checked_at_load_time(tmp_path):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1+1="}, *CHAT_RECORDS[:1], {"prompt": [{"content": "1"}]}])
+    with pytest.raises(ValueError, match="mixed.jsonl:2: the record's 'prompt' is a chat, but the tokenizer has no chat template"):
+        load_records(path, "prompt", build_tokenizer())
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    with pytest.raises(ValueError, match="mixed.jsonl:3: the record's 'prompt' is neither a text nor a chat"):
+        load_records(path, "prompt", tok)
+    # The limit counts the template's tokens, one a character after the BOS.
+    path = write_jsonl(tmp_path / "chats.jsonl", CHAT_RECORDS)
+    n = 1 + len("user: 0+0=.assistant:")
+    assert len(load_records(path, "prompt", tok, n)) == 3
+    with pytest.raises(ValueError, match=f"chats.jsonl:1: the prompt has {n} tokens, more than data.max_prompt_length={n - 1}"):
+        load_records(path, "prompt", tok, n - 1)

@@ -21,6 +21,7 @@ from refppo.rollout import (
     compute_scores,
     compute_values,
     decode_attention,
+    encode_prompts,
     generate,
     grouped_decode_attention,
     left_pad,
@@ -369,6 +370,57 @@ def test_prompt_length_limit(tok):
     assert tok.decode(ids[0]) == "<bos>12+3"
     with pytest.raises(ValueError, match="unknown truncation 'middle'"):
         tokenize_prompts(tok, ["1"], max_prompt_length=5, truncation="middle")
+
+
+# Llama-style (the template writes the BOS, and the tokenizer adds one to a text) and Qwen-style
+# (no BOS in the template) chat templates, in the character tokenizer's alphabet.
+CHAT_TEMPLATES = {
+    "bos": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}",
+    "no bos": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}",
+}
+
+
+@pytest.mark.parametrize("template", CHAT_TEMPLATES)
+def test_chat_prompts_are_encoded_as_verl_encodes_them(template):
+    """A chat (verl's data format) goes through the chat template with the assistant's turn
+    opened and gets no second BOS; a text keeps the tokenizer's own. Expected ids written out
+    character by character, and equal to transformers' apply_chat_template(tokenize=True), which
+    verl's rollout calls."""
+    chat_tok = build_tokenizer()
+    chat_tok.chat_template = CHAT_TEMPLATES[template]
+    vocab = chat_tok.get_vocab()
+    chats = [[{"role": "user", "content": "abc"}], [{"role": "system", "content": "be brief"}, {"role": "user", "content": "d"}]]
+    prompts = ["1+1=", chats[0], "7*8=", chats[1]]
+    ids = encode_prompts(chat_tok, prompts)
+    head = [vocab["<bos>"]] if template == "bos" else []
+    chat_texts = ["user: abc.assistant:", "system: be brief.user: d.assistant:"]
+    expected = [[vocab["<bos>"]] + [vocab[c] for c in text] for text in ("1+1=", "7*8=")]
+    expected_chats = [head + [vocab[c] for c in text] for text in chat_texts]
+    assert ids == [expected[0], expected_chats[0], expected[1], expected_chats[1]]
+    for chat, seq in zip(chats, expected_chats):
+        assert chat_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"] == seq
+    batch_ids, mask = tokenize_prompts(chat_tok, prompts)
+    assert [row[m.bool()].tolist() for row, m in zip(batch_ids, mask)] == ids
+    with pytest.raises(ValueError, match="prompt 1 has 2[0-9] tokens, more than max_prompt_length=16"):
+        tokenize_prompts(chat_tok, prompts, max_prompt_length=16)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([{"role": "user", "content": "abc"}], "prompt 1 is a chat, but the tokenizer has no chat template"),
+        ({"role": "user", "content": "abc"}, "prompt 1 is one message, not a chat"),
+        ([], "prompt 1 is neither a text nor a chat"),
+        ([{"role": "user"}], "prompt 1 is neither a text nor a chat"),
+        ([{"role": "user", "content": ["abc"]}], "prompt 1 is neither a text nor a chat"),
+        (7, "prompt 1 is neither a text nor a chat"),
+    ],
+)
+def test_prompts_that_are_neither_texts_nor_renderable_chats_are_refused(tok, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        tokenize_prompts(tok, ["1+1=", prompt])
 
 
 def test_bad_input(tok, models):
