@@ -30,10 +30,10 @@ class DataConfig:
 
     task: str = "arithmetic"  # arithmetic | preference | file (prompts from train_files)
     train_files: str | None = None  # JSONL or Parquet with a prompt column: texts or chats (verl's format)
-    val_files: str | None = None
+    val_files: str | None = None  # None: the first data.val_size training prompts (seen in training, not held out)
     prompt_key: str = "prompt"
     train_batch_size: int = 64  # prompts per step
-    val_size: int = 200  # held-out prompts evaluated
+    val_size: int = 200  # prompts evaluated (arithmetic's are held out of training; preference has only 56)
     max_prompt_length: int = 16
     max_response_length: int = 8
     truncation: str = "error"
@@ -200,7 +200,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     output_dir: str = "runs/ppo"  # the run folder: config, metrics.jsonl, checkpoints
     save_freq: int = 100  # steps between checkpoints (and one at the end); -1: only at the end
-    test_freq: int = 100  # steps between held-out evaluations; -1: never
+    test_freq: int = 100  # steps between evaluations (val/*); -1: never
     resume: bool = False  # continue the run in output_dir from its last checkpoint
     # Steps that update only the critic, as verl's documentation defines it; verl's trainer
     # (actor updated once critic_warmup <= global_steps, counted from 1) runs one fewer.

@@ -109,9 +109,11 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
 
 
 def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], object]:
-    """(train records, held-out records, default reward function) of ``data.task``; with a
+    """(train records, evaluation records, default reward function) of ``data.task``; with a
     ``tokenizer``, file prompts longer than ``data.max_prompt_length`` are refused at load time
-    (unless ``data.truncation`` cuts them)."""
+    (unless ``data.truncation`` cuts them). The evaluation records are held out of training for
+    arithmetic only: the preference task's 56 prompts all occur in training, and a file without
+    ``data.val_files`` gives its first ``data.val_size`` training records."""
     d = config.data
     if d.task == "arithmetic":
         train, held = arithmetic.make_problems(n_heldout=d.val_size)
