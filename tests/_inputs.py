@@ -1,7 +1,24 @@
-"""Random inputs shared by the tests: masks of every shape the code must handle."""
+"""Inputs shared by the tests: masks of every shape the code must handle, and chat templates."""
 
 import torch
 from hypothesis import strategies as st
+
+from refppo.tasks.tokenizer import build_tokenizer
+
+# Chat templates in the character tokenizer's alphabet: Llama-style (the template writes the BOS,
+# and the tokenizer adds one to a text) and Qwen-style (no BOS in the template).
+_CHAT_TURNS = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CHAT_TEMPLATES = {"bos": "{{ bos_token }}" + _CHAT_TURNS, "no bos": _CHAT_TURNS}
+
+
+def chat_tokenizer(template: str = "bos"):
+    """The offline tasks' character tokenizer with one of :data:`CHAT_TEMPLATES`."""
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATES[template]
+    return tok
 
 MASK_KINDS = ("full", "ragged", "holes", "with_empty_rows")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _inputs import CHAT_TEMPLATES
 
 from refppo.cli import main
 from refppo.config import Config
@@ -101,10 +102,7 @@ def test_ppo_on_chat_prompts_in_verls_format(sft_run, tmp_path):
     model = tmp_path / "chat_model"
     shutil.copytree(sft_run / "model", model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = (
-        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}"
-    )
+    tokenizer.chat_template = CHAT_TEMPLATES["bos"]
     tokenizer.save_pretrained(model)
     records = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "reward_model": {"ground_truth": str(2 * i)}} for i in range(20)]
     pd.DataFrame(records).to_parquet(tmp_path / "chats.parquet")

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from _inputs import chat_tokenizer
 
 from refppo.data import EpochSampler, load_records
 from refppo.tasks.tokenizer import build_tokenizer
@@ -18,10 +19,6 @@ def test_epoch_sampler_epochs_and_state():
         EpochSampler([], 4, 0)
 
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 # verl's data format (e.g. its gsm8k preprocessing): the prompt is a chat, the answer in a struct.
 CHAT_RECORDS = [
     {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "reward_model": {"ground_truth": str(2 * i), "style": "rule"}}
@@ -39,8 +36,7 @@ def test_chat_prompts_load_from_jsonl_and_parquet_alike(tmp_path):
     arrays), text prompts and chats alike."""
     import pandas as pd
 
-    tok = build_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
+    tok = chat_tokenizer()
     texts = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(3)]
     for name, records in (("texts", texts), ("chats", CHAT_RECORDS)):
         pd.DataFrame(records).to_parquet(tmp_path / f"{name}.parquet")
@@ -53,8 +49,7 @@ def test_chat_prompts_are_checked_at_load_time(tmp_path):
     path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1+1="}, *CHAT_RECORDS[:1], {"prompt": [{"content": "1"}]}])
     with pytest.raises(ValueError, match="mixed.jsonl:2: the record's 'prompt' is a chat, but the tokenizer has no chat template"):
         load_records(path, "prompt", build_tokenizer())
-    tok = build_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
+    tok = chat_tokenizer()
     with pytest.raises(ValueError, match="mixed.jsonl:3: the record's 'prompt' is neither a text nor a chat"):
         load_records(path, "prompt", tok)
     # The limit counts the template's tokens, one a character after the BOS.

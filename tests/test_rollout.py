@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _inputs import CHAT_TEMPLATES, chat_tokenizer
 from _trainers import make_trainer
 
 from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
@@ -372,24 +373,13 @@ def test_prompt_length_limit(tok):
         tokenize_prompts(tok, ["1"], max_prompt_length=5, truncation="middle")
 
 
-# Llama-style (the template writes the BOS, and the tokenizer adds one to a text) and Qwen-style
-# (no BOS in the template) chat templates, in the character tokenizer's alphabet.
-CHAT_TEMPLATES = {
-    "bos": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}",
-    "no bos": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}",
-}
-
-
 @pytest.mark.parametrize("template", CHAT_TEMPLATES)
 def test_chat_prompts_are_encoded_as_verl_encodes_them(template):
     """A chat (verl's data format) goes through the chat template with the assistant's turn
     opened and gets no second BOS; a text keeps the tokenizer's own. Expected ids written out
     character by character, and equal to transformers' apply_chat_template(tokenize=True), which
     verl's rollout calls."""
-    chat_tok = build_tokenizer()
-    chat_tok.chat_template = CHAT_TEMPLATES[template]
+    chat_tok = chat_tokenizer(template)
     vocab = chat_tok.get_vocab()
     chats = [[{"role": "user", "content": "abc"}], [{"role": "system", "content": "be brief"}, {"role": "user", "content": "d"}]]
     prompts = ["1+1=", chats[0], "7*8=", chats[1]]
