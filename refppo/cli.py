@@ -26,7 +26,8 @@ from refppo.advantages import needs_critic
 from refppo.config import RANGES, Config, apply_overrides, choices, config_to_dict, get_value, leaf_keys, validate
 from refppo.data import sft_examples, task_data
 from refppo.models import (
-    add_lora, check_fused_kernels, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config,
+    add_lora, check_fused_kernels, enable_gradient_checkpointing, freeze, load_causal_lm, load_value_model,
+    prepare_tokenizer, tiny_config,
 )  # fmt: skip
 from refppo.rollout import tokenize_prompts
 from refppo.runs import RunFolder, check_free, check_resume, summary
@@ -57,10 +58,11 @@ def read_settings(command: str, config: Config) -> list[str]:
     if command == "ppo":  # it loads model.path, whose shape it keeps
         return [k for k in keys if not k.startswith(("sft.", "rm.")) and k not in _TINY_MODEL]
     if command == "rm":
-        return ["data.task", "model.path", *[k for k in keys if k.startswith("rm.")], *_RUN_BASICS]
+        return ["data.task", "model.path", "model.enable_gradient_checkpointing", *[k for k in keys if k.startswith("rm.")], *_RUN_BASICS]
     arithmetic = config.data.task == "arithmetic"
     return [
         "data.task", *(["data.val_size"] if arithmetic else []), "model.path", "model.use_fused_kernels",
+        "model.enable_gradient_checkpointing",
         *([] if config.model.path else _TINY_MODEL),
         *[k for k in keys if k.startswith("sft.") and (arithmetic or k != "sft.teacher_carry_error")], *_RUN_BASICS,
     ]  # fmt: skip
@@ -167,6 +169,8 @@ def run_sft(config: Config, make_run) -> None:
     model = load_causal_lm(source, tokenizer, _device(config))
     if m.use_fused_kernels:  # refused before the run folder exists (train_sft would, after)
         check_fused_kernels(model, "SFT model")
+    if m.enable_gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     s, examples = config.sft, sft_examples(config)
     run = make_run()
     train_sft(
@@ -188,6 +192,8 @@ def run_rm(config: Config, make_run) -> None:
     tokenizer = load_tokenizer(config.model.path)
     torch.manual_seed(config.trainer.seed)
     rm = load_value_model(config.model.path, tokenizer, _device(config))
+    if config.model.enable_gradient_checkpointing:
+        enable_gradient_checkpointing(rm)
     r = config.rm
     pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
     run = make_run()

@@ -55,6 +55,9 @@ class ModelConfig:
     # SFT's and PPO's log-probs from the final hidden states, the LM head fused into the log-softmax
     # a chunk at a time: no (rows, response, vocab) logits (verl's name; memory for big vocabularies).
     use_fused_kernels: bool = False
+    # The actor's updates (and refppo sft's, refppo rm's) keep each decoder layer's input only and
+    # recompute the rest in the backward pass: far less activation memory for one more forward pass.
+    enable_gradient_checkpointing: bool = False  # verl's default is true
 
 
 @dataclass
@@ -132,16 +135,23 @@ class RefConfig:
 
 @dataclass
 class PathConfig:
-    """A ``<section>.model.path`` setting (``critic.model.path``, ``reward_model.model.path``)."""
+    """A ``<section>.model.path`` setting (``reward_model.model.path``; ``critic.model`` adds one)."""
 
     path: str | None = None
+
+
+@dataclass
+class CriticModelConfig(PathConfig):
+    """``critic.model.*``: where the critic starts, and activation checkpointing in its updates."""
+
+    enable_gradient_checkpointing: bool = False  # as model.enable_gradient_checkpointing; verl's default is true
 
 
 @dataclass
 class CriticConfig:
     """``critic.*`` (verl's ``critic.*``): the value model, its clipped loss and update schedule."""
 
-    model: PathConfig = field(default_factory=PathConfig)  # None: the actor's checkpoint, fresh head
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)  # path None: the actor's checkpoint, fresh head
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     ppo_epochs: int | None = None  # None: actor.ppo_epochs (verl interpolates the same way)
     ppo_mini_batch_size: int | None = None  # prompts per optimiser step; None: actor.ppo_mini_batch_size
@@ -566,8 +576,9 @@ def validate(config: Config) -> Config:
     _require(
         rm.enable or rm.model.path is None, "reward_model.model.path is read only with reward_model.enable=true: set it or drop the path"
     )
-    _require(
-        ADV_ESTIMATORS.takes(alg.adv_estimator, "values") or config.critic.model.path is None,
-        f"critic.model.path is set but algorithm.adv_estimator={alg.adv_estimator} uses no critic",
-    )
+    for key in ("critic.model.path", "critic.model.enable_gradient_checkpointing"):
+        _require(
+            ADV_ESTIMATORS.takes(alg.adv_estimator, "values") or get_value(config, key) in (None, False),
+            f"{key} is set but algorithm.adv_estimator={alg.adv_estimator} uses no critic",
+        )
     return config

@@ -65,7 +65,19 @@ def state_bytes(n_params: int, trained: bool = True, precision: str = "bf16-mixe
     return {"weights": n_params * weights, "gradients": n_params * grads, "optimizer": n_params * optimizer}
 
 
-def activation_values_per_token(config, seq_len: int | None = None) -> int:
+def _layer_values(config, seq_len: int | None) -> tuple[int, int]:
+    """Values one decoder layer keeps per token, and how many of them are float32 whatever the
+    weights' dtype (see :func:`activation_values_per_token`)."""
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: a masked micro-batch is at least one token wide (None: no mask)")
+    h, i, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q = heads * head_dim
+    kv = q if seq_len is not None else config.num_key_value_heads * head_dim
+    return 2 * (3 * h + 1) + q + 2 * kv + q + heads + 4 * i + (seq_len or 0), 2 * (h + 1) + heads
+
+
+def activation_values_per_token(config, seq_len: int | None = None, checkpointing: bool = False) -> int:
     """Values a Llama/Qwen2 decoder (``transformers``, SDPA attention) saves for the backward
     pass per token of a training forward, the vocabulary logits aside.
 
@@ -78,47 +90,52 @@ def activation_values_per_token(config, seq_len: int | None = None) -> int:
     transformers copies k and v to every query head (``repeat_kv``) before attention and keeps the
     copies, and each layer keeps the mask in the compute dtype: ``seq_len`` values per token.
     Besides these, a micro-batch keeps the rotary tables (cos and sin: 2 x sequence length x
-    head_dim values, shared by its rows). Activation checkpointing keeps far less and recomputes
-    the rest in the backward pass. Some of these values are float32 whatever the weights' dtype
-    (:func:`float32_values_per_token`). Checked to the byte against a CPU's forward pass
-    (``tests/test_memory.py``); a GPU's attention kernels may keep a little more.
+    head_dim values, shared by its rows). With activation checkpointing
+    (``refppo.models.enable_gradient_checkpointing``) a layer keeps only its input (h values) and
+    the backward pass recomputes the rest one layer at a time (:func:`activation_bytes` counts
+    that layer); the layers' checkpoints then also hold the positions and, with a mask, the mask
+    as booleans (``seq_len`` bytes per token), once. Some of these values are float32 whatever
+    the weights' dtype (:func:`float32_values_per_token`). Checked to the byte against a CPU's
+    forward pass (``tests/test_memory.py``); a GPU's attention kernels may keep a little more.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
         seq_len: the padded width of a micro-batch that carries an attention mask; None for a pass
             without one.
+        checkpointing: the layers are checkpointed.
 
     Returns:
         Values per token (multiply by tokens and bytes per value: :func:`activation_bytes`).
     """
-    if seq_len is not None and seq_len < 1:
-        raise ValueError(f"seq_len={seq_len}: a masked micro-batch is at least one token wide (None: no mask)")
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q = heads * head_dim
-    kv = q if seq_len is not None else config.num_key_value_heads * head_dim
-    per_layer = 2 * (3 * h + 1) + q + 2 * kv + q + heads + 4 * i + (seq_len or 0)
-    return layers * per_layer + 3 * h + 1
+    per_layer, _ = _layer_values(config, seq_len)
+    h = config.hidden_size
+    return config.num_hidden_layers * (h if checkpointing else per_layer) + 3 * h + 1
 
 
-def float32_values_per_token(config) -> int:
+def float32_values_per_token(config, checkpointing: bool = False) -> int:
     """Of :func:`activation_values_per_token`, the values kept in float32 even by a model whose
     weights are bf16: each RMSNorm works on a float32 copy of its input and keeps it and the
     inverse RMS (h + 1), and attention keeps its log-sum-exp per head in float32.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
+        checkpointing: the layers are checkpointed (only the final RMSNorm's are kept then).
 
     Returns:
         Values per token.
     """
-    h, heads = config.hidden_size, config.num_attention_heads
-    return config.num_hidden_layers * (2 * (h + 1) + heads) + h + 1
+    _, per_layer = _layer_values(config, None)
+    return (0 if checkpointing else config.num_hidden_layers * per_layer) + config.hidden_size + 1
 
 
-def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: int = 2, seq_len: int | None = None) -> int:
-    """Bytes a training forward pass keeps for the backward pass.
+def activation_bytes(
+    config, tokens: int, logit_tokens: int, bytes_per_value: int = 2, seq_len: int | None = None, checkpointing: bool = False
+) -> int:
+    """Bytes of activations a training step holds: what the forward pass keeps for the backward
+    pass and, with activation checkpointing, one layer's values while the backward pass
+    recomputes that layer. The backward pass frees the vocabulary rows before it recomputes the
+    first layer, so with checkpointing this is what to budget for, above the true peak of the
+    activations by at most the smaller of the two.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
@@ -130,6 +147,7 @@ def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: in
             bf16 autocast over float32 weights keeps another mix, not counted here.
         seq_len: the micro-batch's padded width when it carries an attention mask (see
             :func:`activation_values_per_token`); None without one.
+        checkpointing: the layers are checkpointed (``refppo.models.enable_gradient_checkpointing``).
 
     Returns:
         Bytes: the decoder's activations plus one float32 vocabulary row per logit position
@@ -137,7 +155,11 @@ def activation_bytes(config, tokens: int, logit_tokens: int, bytes_per_value: in
     """
     if bytes_per_value not in (2, 4):
         raise ValueError(f"bytes_per_value={bytes_per_value}; valid: 4 (float32) or 2 (bf16 weights)")
-    values, wide = activation_values_per_token(config, seq_len), float32_values_per_token(config)
+    values = activation_values_per_token(config, seq_len, checkpointing)
+    wide = float32_values_per_token(config, checkpointing)
+    if checkpointing:  # the layer whose forward the backward pass is recomputing
+        layer, layer_wide = _layer_values(config, seq_len)
+        values, wide = values + layer, wide + layer_wide
     return tokens * (values * bytes_per_value + wide * (4 - bytes_per_value)) + logit_tokens * config.vocab_size * 4
 
 

@@ -261,6 +261,35 @@ def add_lora(model: PreTrainedModel, r: int = 8, lora_alpha: int = 16, target_mo
     return get_peft_model(model, config)
 
 
+def enable_gradient_checkpointing(model, setting: str = "model.enable_gradient_checkpointing") -> None:
+    """Activation checkpointing (verl's ``enable_gradient_checkpointing``): in training mode each
+    decoder layer keeps only its input, and the backward pass recomputes the layer's forward from
+    it, one layer at a time. The gradients are unchanged (bit for bit on a CPU); the activations
+    shrink to the layers' inputs plus one layer's (:func:`refppo.memory.activation_bytes` with
+    ``checkpointing=True``), for one more forward pass of the decoder in every update. Passes in
+    eval mode (sampling, old log-probs, reference, values, scores) are unaffected.
+
+    Args:
+        model: a causal LM, a LoRA actor or a scalar-head model (critic, reward model); changed
+            in place.
+        setting: the config key that asks for it, named in the error.
+    """
+    from refppo.rollout import trainable_attention
+
+    base = _base_model(model)
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{setting}=true, but {type(base).__name__} does not support activation checkpointing: set {setting}=false"
+        )
+    # Non-reentrant, as verl's; the recomputation runs in the backward pass, outside
+    # trainable_forward, so it leaves cuDNN's attention out itself (autocast torch restores).
+    kwargs = {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), trainable_attention())}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class LoraDisabledReference:
     """The reference policy of a LoRA actor: the actor itself with its adapter switched off.
 
@@ -285,8 +314,8 @@ class LoraDisabledReference:
 FUSED_KERNEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _causal_lm(model):
-    """The Hugging Face causal LM under a LoRA adapter or an adapter-disabled reference."""
+def _base_model(model):
+    """The Hugging Face model under a LoRA adapter or an adapter-disabled reference (or the model)."""
     if isinstance(model, LoraDisabledReference):
         model = model.actor
     return model.get_base_model() if is_lora(model) else model
@@ -301,7 +330,7 @@ def check_fused_kernels(model, role: str = "actor") -> None:
         model: a causal LM, LoRA actor or reference (``make_reference``).
         role: its name in the error.
     """
-    lm = _causal_lm(model)
+    lm = _base_model(model)
     model_type = getattr(lm.config, "model_type", None)
     head = lm.get_output_embeddings()
     if model_type not in FUSED_KERNEL_MODEL_TYPES or not isinstance(head, torch.nn.Linear) or head.bias is not None:

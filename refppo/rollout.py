@@ -43,17 +43,25 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def trainable_forward(device: torch.device) -> Iterator[None]:
-    """The context of a forward pass that may be backpropagated: :func:`autocast`, and every
-    attention kernel but cuDNN's.
+def trainable_attention():
+    """Every attention kernel but cuDNN's, for a forward pass that may be backpropagated.
 
     cuDNN's attention backward (torch 2.11 to 2.13, H100 and H200) returns NaN query gradients
     when a mask is passed and the sequence is 64 tokens past a multiple of 128 wide, if a query
     row attends to nothing (pytorch/pytorch#196678): the left padding of a ragged batch is such a
     row. Flash and memory-efficient attention take its place; on a CPU the choice is unchanged.
+    Activation checkpointing recomputes a layer's forward in the backward pass, outside
+    :func:`trainable_forward`, so ``refppo.models.enable_gradient_checkpointing`` enters this
+    context for the recomputation too.
     """
-    with autocast(device), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@contextlib.contextmanager
+def trainable_forward(device: torch.device) -> Iterator[None]:
+    """The context of a forward pass that may be backpropagated: :func:`autocast` and
+    :func:`trainable_attention`."""
+    with autocast(device), trainable_attention():
         yield
 
 

@@ -35,6 +35,7 @@ RESUMABLE_CHANGES = frozenset(
         "rollout.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu",
         "reward_model.micro_batch_size_per_gpu", "actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
         "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "model.use_fused_kernels",
+        "model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing",
     }
 )  # fmt: skip
 

@@ -43,7 +43,7 @@ from refppo.data import EpochSampler
 from refppo.functional import masked_corr, masked_max_min, masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
 from refppo.losses import POLICY_LOSSES, agg_loss, agg_loss_weight, compute_rollout_is_weights, compute_value_loss
-from refppo.models import check_fused_kernels, make_reference
+from refppo.models import check_fused_kernels, enable_gradient_checkpointing, make_reference
 from refppo.optim import make_optimizer
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout import (
@@ -94,8 +94,10 @@ class PPOTrainer:
     Args:
         config: the run's Config (validated).
         tokenizer: a prepared tokenizer (pad distinct from EOS).
-        actor: the causal LM to train (a peft model for LoRA), initialised from the SFT model.
-        critic: a scalar-head model when the advantage estimator reads ``values`` (GAE), else None.
+        actor: the causal LM to train (a peft model for LoRA), initialised from the SFT model;
+            ``model.enable_gradient_checkpointing`` turns activation checkpointing on in it.
+        critic: a scalar-head model when the advantage estimator reads ``values`` (GAE), else None;
+            ``critic.model.enable_gradient_checkpointing`` as for the actor.
         train_records, val_records: prompt dicts (``data.prompt_key`` plus whatever the reward
             function reads, e.g. "answer").
         reward_fn: ``fn(prompts, responses, records) -> (B,)`` scores, used when no reward model.
@@ -135,6 +137,10 @@ class PPOTrainer:
         self.decoder = StaticDecoder(actor) if c.rollout.cuda_graphs else None
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
+        if c.model.enable_gradient_checkpointing:  # after the reference's copy, which is never trained
+            enable_gradient_checkpointing(actor)
+        if c.critic.model.enable_gradient_checkpointing:
+            enable_gradient_checkpointing(critic, "critic.model.enable_gradient_checkpointing")
         self.fused = c.model.use_fused_kernels
         self.compiled = c.actor.use_torch_compile
         if self.fused:

@@ -178,6 +178,32 @@ def test_sft_with_fused_kernels_gives_the_same_run(sft_run, tmp_path, monkeypatc
     assert seen and all(seen), "the flag must reach the loss"
 
 
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_path, monkeypatch, command):
+    """model.enable_gradient_checkpointing in refppo sft and refppo rm: it reaches the trained
+    model, and the losses are the same step by step (recomputing a layer changes no number)."""
+    import refppo.cli
+    from refppo.models import enable_gradient_checkpointing
+
+    seen = []
+
+    def recording(model, *args):
+        seen.append(type(model).__name__)
+        enable_gradient_checkpointing(model, *args)
+
+    monkeypatch.setattr(refppo.cli, "enable_gradient_checkpointing", recording)
+    args = {
+        "sft": ["sft.steps=3", "sft.batch_size=8", *TINY],
+        "rm": ["data.task=preference", f"model.path={sft_run}/model", "rm.steps=3", "rm.batch_size=8", "rm.n_pairs=24"],
+    }[command]
+    runs = [tmp_path / "plain", tmp_path / "checkpointed"]
+    for out, flag in zip(runs, ("false", "true")):
+        assert main([command, f"trainer.output_dir={out}", f"model.enable_gradient_checkpointing={flag}", *args]) == 0
+    losses = [[json.loads(ln)[f"{command}/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    assert seen == ["LlamaForCausalLM" if command == "sft" else "LlamaForTokenClassification"]
+
+
 @pytest.mark.parametrize(
     "command, extra, message",
     [

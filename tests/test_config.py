@@ -94,6 +94,8 @@ def test_bad_values():
         (["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.reward_fn=m:f"], "both give the training score"),
         (["reward_model.model.path=rm"], "reward_model.model.path is read only with reward_model.enable=true"),
         (["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.path=c"], "critic.model.path is set but algorithm.adv_estimator=grpo uses no critic"),
+        (["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.enable_gradient_checkpointing=true"],
+         "critic.model.enable_gradient_checkpointing is set but algorithm.adv_estimator=grpo uses no critic"),
         (["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=4"], "so actor.ppo_micro_batch_size_per_gpu would be ignored"),
         (["actor.use_dynamic_bsz=true", "rollout.log_prob_micro_batch_size_per_gpu=4"], "so rollout.log_prob_micro_batch_size_per_gpu would be ignored"),
         (["actor.use_dynamic_bsz=true", "ref.log_prob_micro_batch_size_per_gpu=4"], "so ref.log_prob_micro_batch_size_per_gpu would be ignored"),

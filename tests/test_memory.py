@@ -12,7 +12,7 @@ from refppo.memory import (
     param_count,
     state_bytes,
 )
-from refppo.models import load_causal_lm, load_value_model, tiny_config
+from refppo.models import enable_gradient_checkpointing, load_causal_lm, load_value_model, tiny_config
 from refppo.rollout import build_batch, response_log_probs
 from refppo.tasks.tokenizer import build_tokenizer
 
@@ -89,6 +89,34 @@ def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded, d
     assert kept == expected + rotary
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_checkpointed_forward_keeps_each_layers_input(arch, padded, dtype):
+    """With activation checkpointing a training forward keeps each layer's input and the final
+    norm's values, plus what every layer's checkpoint shares: the rotary tables, the positions
+    and, with padding, the boolean mask."""
+    config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=3)
+    model = load_causal_lm(config, TOK).to(dtype)
+    enable_gradient_checkpointing(model)
+    model.train()
+    ids = torch.randint(4, len(TOK), (4, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0 if padded else 1
+    with PeakMeter() as meter:
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        kept = meter.now - logits.numel() * logits.element_size()
+        del logits
+    rows, width = ids.shape
+    size = torch.finfo(dtype).bits // 8
+    values = activation_values_per_token(config, width if padded else None, checkpointing=True)
+    assert values == config.num_hidden_layers * config.hidden_size + 3 * config.hidden_size + 1
+    wide = float32_values_per_token(config, checkpointing=True)
+    rotary = 2 * width * (config.hidden_size // config.num_attention_heads) * size
+    shared = rotary + width * 8 + (rows * width * width if padded else 0)  # int64 positions, a bool per (query, key)
+    assert kept == ids.numel() * (values * size + wide * (4 - size)) + shared
+
+
 def test_a_mask_adds_the_copied_key_value_heads_and_the_mask_per_layer():
     config = tiny_config(TOK, hidden_size=64, num_hidden_layers=3)
     head_dim = config.hidden_size // config.num_attention_heads
@@ -132,3 +160,38 @@ def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradie
     # the backward pass frees activations while it creates gradients: the peak has all of one and part of the other
     assert act < meter.peak < act + grads, (meter.peak, act, grads)
     assert meter.now == 0, "nothing allocated in the update outlives it"
+
+
+def test_a_checkpointed_update_peaks_near_the_layers_inputs_and_one_layer():
+    """With activation checkpointing an update's peak lies between the layers' inputs plus the
+    larger of one recomputed layer and the vocabulary rows (freed before the first
+    recomputation), and the arithmetic's sum of all three plus the gradients and the gradient
+    passed between two layers; without checkpointing the activations alone exceed that."""
+    config = tiny_config(TOK, hidden_size=64, num_hidden_layers=4)
+    model = load_causal_lm(config, TOK)
+    enable_gradient_checkpointing(model)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = build_batch(TOK, [f"{i}+{2 * i}=" for i in range(100, 164)], [str(3 * i) for i in range(100, 164)])
+
+    def update():
+        log_probs, _ = response_log_probs(model, batch)
+        (-log_probs.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    update()
+    with PeakMeter() as meter:
+        update()
+    rows, width = batch["responses"].shape
+    tokens, seq_len = batch["input_ids"].numel(), batch["input_ids"].shape[1]
+    act = {
+        ckpt: activation_bytes(config, tokens, rows * (width + 1), bytes_per_value=4, seq_len=seq_len, checkpointing=ckpt)
+        for ckpt in (False, True)
+    }  # fmt: skip
+    inputs = tokens * activation_values_per_token(config, seq_len, checkpointing=True) * 4
+    layer = activation_bytes(config, tokens, 0, bytes_per_value=4, seq_len=seq_len, checkpointing=True) - inputs
+    rows_bytes = rows * (width + 1) * config.vocab_size * 4
+    assert act[True] == inputs + layer + rows_bytes
+    bound = act[True] + held_bytes(model)["gradients"] + tokens * config.hidden_size * 4
+    assert inputs + max(layer, rows_bytes) < meter.peak < bound < act[False], (meter.peak, act, bound)

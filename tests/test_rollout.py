@@ -11,7 +11,7 @@ import torch
 from _inputs import CHAT_TEMPLATES, chat_tokenizer
 from _trainers import make_trainer
 
-from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
+from refppo.models import add_lora, enable_gradient_checkpointing, load_causal_lm, load_value_model, tiny_config
 from refppo.rollout import (
     DECODE_ATTENTION,
     StaticDecoder,
@@ -595,16 +595,40 @@ def test_trainable_passes_leave_cudnn_attention_out(tok, models):
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def test_checkpointed_recomputation_leaves_cudnn_attention_out(tok):
+    """With activation checkpointing the backward pass recomputes each layer's attention outside
+    the forward's context: that recomputation leaves cuDNN's kernel out too, for the actor and
+    the critic alike."""
+    torch.manual_seed(0)
+    config = tiny_config(tok)
+    actor, critic = load_causal_lm(config), load_value_model(config)
+    batch = _rollout(tok, actor)
+    for model in (actor, critic):
+        enable_gradient_checkpointing(model)
+        model.train()
+    log_probs, _ = response_log_probs(actor, batch)
+    values = response_values(critic, batch)
+    with _attention_calls([actor, critic], lambda *_: torch.backends.cuda.cudnn_sdp_enabled()) as seen:
+        (log_probs.sum() + values.sum()).backward()
+    assert seen == [False] * 2 * config.num_hidden_layers, "every layer recomputed, none with cuDNN"
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @pytest.mark.gpu
-def test_a_ragged_batch_gets_finite_gradients_on_cuda(tok):
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_ragged_batch_gets_finite_gradients_on_cuda(tok, checkpointed):
     """A left-padded batch 320 = 2 x 128 + 64 tokens wide, where cuDNN's attention backward
     returns NaN (pytorch/pytorch#196678): every gradient is finite and agrees with the float32
-    CPU gradient to bf16 noise."""
+    CPU gradient to bf16 noise, with activation checkpointing (whose recomputation runs in the
+    backward pass) too."""
     torch.manual_seed(0)
     config = tiny_config(tok, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     cpu = load_causal_lm(config)
     gpu = load_causal_lm(config, device="cuda")
     gpu.load_state_dict(cpu.state_dict())
+    if checkpointed:
+        enable_gradient_checkpointing(gpu)
+        gpu.train()
     g = torch.Generator().manual_seed(0)
     pads, lengths = torch.tensor([0, 40, 10, 60, 5, 33, 20, 50]), torch.tensor([256, 8, 100, 200, 64, 17, 250, 130])
     prompt_mask = (torch.arange(64) >= pads[:, None]).long()

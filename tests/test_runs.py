@@ -87,6 +87,18 @@ def test_a_resume_with_changed_settings_is_refused_before_any_write(tmp_path):
     assert json.loads((tmp_path / "r" / "config.json").read_text())["trainer"]["total_training_steps"] == 9
 
 
+def test_a_resume_may_turn_checkpointing_on_in_a_run_saved_before_the_setting_existed(tmp_path):
+    """Activation checkpointing changes memory and time, not the numbers: a resume may turn it on,
+    also in a run folder whose config.json predates the two settings."""
+    _saved_run(tmp_path / "r")
+    config_file = tmp_path / "r" / "config.json"
+    saved = json.loads(config_file.read_text())
+    del saved["model"]["enable_gradient_checkpointing"], saved["critic"]["model"]["enable_gradient_checkpointing"]
+    config_file.write_text(json.dumps(saved))
+    on = apply_overrides(Config(), ["model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"])
+    assert check_resume(tmp_path / "r", on).step == 6
+
+
 def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
     run = RunFolder(tmp_path / "r", Config())
     run.log(0, {"val/score": 0.5})  # killed before its first checkpoint

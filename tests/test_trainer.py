@@ -148,6 +148,30 @@ def test_same_seed_same_metrics_and_different_seed_differs():
     assert one != other
 
 
+def _checkpointed(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_gradient_checkpointing_changes_no_number(lora_rank):
+    """model.enable_gradient_checkpointing and critic.model.enable_gradient_checkpointing turn
+    activation checkpointing on in the actor (a LoRA actor's base too) and the critic, not in a
+    separate reference; three steps then give the same metrics and weights as without it."""
+    runs = {}
+    for on in ("false", "true"):
+        flags = [f"model.enable_gradient_checkpointing={on}", f"critic.model.enable_gradient_checkpointing={on}"]
+        trainer = make_trainer([*flags, "algorithm.use_kl_in_reward=true"], lora_rank=lora_rank)
+        runs[on] = trainer, [_no_timing(m) for m in _run(trainer, 3)]
+    (plain, plain_metrics), (checkpointed, metrics) = runs["false"], runs["true"]
+    assert _checkpointed(checkpointed.actor) and _checkpointed(checkpointed.critic)
+    assert not _checkpointed(plain.actor) and not _checkpointed(plain.critic)
+    if not lora_rank:
+        assert not _checkpointed(checkpointed.reference)
+    assert metrics == plain_metrics
+    for a, b in [(plain.actor, checkpointed.actor), (plain.critic, checkpointed.critic)]:
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
 def test_resume_gives_the_same_metrics(tmp_path):
     overrides = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=2"]
     straight = make_trainer(overrides)

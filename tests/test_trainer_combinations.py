@@ -1,12 +1,12 @@
 """Any configuration that validates trains: random combinations of the trainer's options.
 
 Each example draws estimator, policy mode and loss, aggregation modes, both KL placements and
-their estimators, epochs, mini- and micro-batches (by rows or by a token budget), fused
-and compiled kernels, sampling settings, warm-up and a LoRA actor or a whole one, then runs three steps on
-the 1-layer model. What must hold in every combination: finite metrics and weights, a first
-decoupled mini-batch at ratio 1, a zero KL to the reference in step 1 (the reference is a copy
-of the actor, or the LoRA actor with its adapter off), and an actor that moved exactly when a
-gradient reached it.
+their estimators, epochs, mini- and micro-batches (by rows or by a token budget), fused and
+compiled kernels, activation checkpointing, sampling settings, warm-up and a LoRA actor or a
+whole one, then runs three steps on the 1-layer model. What must hold in every combination:
+finite metrics and weights, a first decoupled mini-batch at ratio 1, a zero KL to the reference
+in step 1 (the reference is a copy of the actor, or the LoRA actor with its adapter off), and an
+actor that moved exactly when a gradient reached it.
 """
 
 import math
@@ -64,6 +64,7 @@ def configs(draw) -> tuple[list[str], int]:
         f"algorithm.use_kl_in_reward={draw(st.booleans())}", f"algorithm.kl_penalty={draw(st.sampled_from(KL_TYPES))}",
         f"algorithm.kl_ctrl.type={draw(st.sampled_from(['fixed', 'adaptive', 'ppo_paper']))}",
         f"model.use_fused_kernels={draw(st.booleans())}", f"actor.use_torch_compile={draw(st.booleans())}",
+        f"model.enable_gradient_checkpointing={draw(st.booleans())}",
         f"rollout.temperature={draw(st.sampled_from([0.7, 1.0]))}", f"rollout.top_k={draw(st.sampled_from([-1, 3]))}",
         f"rollout.top_p={draw(st.sampled_from([1.0, 0.8]))}",
         f"reward_model.missing_eos_penalty={draw(st.sampled_from([0.0, 1.0]))}",
@@ -75,6 +76,7 @@ def configs(draw) -> tuple[list[str], int]:
             f"critic.ppo_mini_batch_size={critic_mini}", f"critic.ppo_epochs={draw(st.integers(1, 2))}",
             f"critic.loss_agg_mode={draw(st.sampled_from(AGG))}",
             f"critic.cliprange_value={draw(st.sampled_from(['null', '0.5']))}",
+            f"critic.model.enable_gradient_checkpointing={draw(st.booleans())}",
             *_batching(draw, "critic", critic_mini * n, longest),
         ]  # fmt: skip
     return overrides, warmup + 1, draw(st.sampled_from([0, 4]))
