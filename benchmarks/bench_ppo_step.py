@@ -98,19 +98,25 @@ def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     )
 
 
-def shared_models(name: str, device: str, seed: int = 0) -> dict:
-    """Everything both implementations share for workload ``name``: the tokenizer, the actor,
-    critic and reward model (same seed, so the same weights) and 4 batches of random prompts of
-    exactly ``prompt_len`` tokens, as token ids (prompts * 4, prompt_len)."""
+def workload_model(name: str):
+    """Workload ``name``'s tokenizer and model config (random weights are drawn from it)."""
     w = WORKLOADS[name]
     spec = dict(w["model"])
     vocab, arch = spec.pop("vocab"), spec.pop("arch")
     tok = word_tokenizer(vocab)
     size = {k: spec.pop(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
     spec.setdefault("intermediate_size", 4 * size["hidden_size"])
-    model_config = tiny_config(tok, arch, **size, max_position_embeddings=w["prompt_len"] + w["response_len"], **spec)
+    return tok, tiny_config(tok, arch, **size, max_position_embeddings=w["prompt_len"] + w["response_len"], **spec)
+
+
+def shared_models(name: str, device: str, seed: int = 0) -> dict:
+    """Everything both implementations share for workload ``name``: the tokenizer, the actor,
+    critic and reward model (same seed, so the same weights) and 4 batches of random prompts of
+    exactly ``prompt_len`` tokens, as token ids (prompts * 4, prompt_len)."""
+    w = WORKLOADS[name]
+    tok, model_config = workload_model(name)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (w["prompts"] * 4, w["prompt_len"]), generator=g)
+    ids = torch.randint(3, model_config.vocab_size, (w["prompts"] * 4, w["prompt_len"]), generator=g)
     torch.manual_seed(seed)
     actor = load_causal_lm(model_config, device=device)
     critic = load_value_model(model_config, device=device)
