@@ -55,8 +55,9 @@ def read_settings(command: str, config: Config) -> list[str]:
         config: the settings after the overrides.
     """
     keys = leaf_keys(config)
-    if command == "ppo":  # it loads model.path, whose shape it keeps
-        return [k for k in keys if not k.startswith(("sft.", "rm.")) and k not in _TINY_MODEL]
+    if command == "ppo":  # it loads model.path, whose shape it keeps; a critic only if the estimator reads values
+        unread = ("sft.", "rm.") + (() if needs_critic(config.algorithm.adv_estimator) else ("critic.",))
+        return [k for k in keys if not k.startswith(unread) and k not in _TINY_MODEL]
     if command == "rm":
         return ["data.task", "model.path", "model.enable_gradient_checkpointing", *[k for k in keys if k.startswith("rm.")], *_RUN_BASICS]
     arithmetic = config.data.task == "arithmetic"
@@ -104,6 +105,8 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
             why = "the model's shape comes from model.path"
         elif section in ("sft", "rm"):
             why = f"it is a setting of refppo {section}"
+        elif section == "critic" and command == "ppo":
+            why = f"algorithm.adv_estimator={config.algorithm.adv_estimator} uses no critic"
         elif any(k.startswith(section + ".") for k in read):
             why = f"of {section}.* it reads {', '.join(k for k in read if k.startswith(section + '.'))}"
         else:

@@ -217,6 +217,8 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
         ("sft", ["actor.optim.lr=1e-3"], r"refppo sft does not read actor.optim.lr \(it is a setting of refppo ppo\)"),
         ("rm", ["sft.steps=3"], r"refppo rm does not read sft.steps \(it is a setting of refppo sft\)"),
         ("ppo", ["rm.steps=3"], r"refppo ppo does not read rm.steps \(it is a setting of refppo rm\)"),
+        ("ppo", ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.optim.lr=1e-4"],
+         r"refppo ppo does not read critic.optim.lr \(algorithm.adv_estimator=grpo uses no critic\): drop it"),
         ("sft", ["trainer.total_training_steps=3"],
          r"refppo sft does not read trainer.total_training_steps \(of trainer.\* it reads trainer.seed, trainer.device, trainer.output_dir, trainer.progress_bar\)"),
         ("rm", ["data.max_response_length=4"], r"refppo rm does not read data.max_response_length \(of data.\* it reads data.task\)"),
