@@ -1,4 +1,7 @@
-"""Inputs shared by the tests: masks of every shape the code must handle, and chat templates."""
+"""Inputs shared by the tests: masks of every shape the code must handle, chat templates, and a
+probe of attention calls."""
+
+import contextlib
 
 import torch
 from hypothesis import strategies as st
@@ -12,6 +15,20 @@ _CHAT_TURNS = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 CHAT_TEMPLATES = {"bos": "{{ bos_token }}" + _CHAT_TURNS, "no bos": _CHAT_TURNS}
+
+
+@contextlib.contextmanager
+def attention_calls(models, record):
+    """Yields a list that gets ``record(layer, kwargs)`` at every attention layer's call (inside
+    the decoder layer, so a checkpointed layer's recomputation is seen too)."""
+    calls = []
+    layers = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
+    hooks = [m.register_forward_pre_hook(lambda m, args, kw: calls.append(record(m, kw)), with_kwargs=True) for m in layers]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def chat_tokenizer(template: str = "bos"):

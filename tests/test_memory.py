@@ -69,13 +69,14 @@ def test_peak_meter_counts_new_storages_once_and_frees_them():
     del a, view, c
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded, dtype):
+def _forward_kept(arch: str, padded: bool, dtype: torch.dtype, checkpointed: bool):
+    """(bytes a training forward of a 3-layer model keeps beyond its logits, its config, ids):
+    4 x 10 tokens, the first row left-padded if ``padded``."""
     config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=3)
-    assert config.num_key_value_heads < config.num_attention_heads, "grouped-query: k and v narrower than q"
     model = load_causal_lm(config, TOK).to(dtype)
+    if checkpointed:
+        enable_gradient_checkpointing(model)
+        model.train()
     ids = torch.randint(4, len(TOK), (4, 10))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0 if padded else 1  # left padding in one row; an all-ones mask is no mask
@@ -83,10 +84,22 @@ def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded, d
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         kept = meter.now - logits.numel() * logits.element_size()  # the output is not an activation
         del logits
+    return kept, config, ids
+
+
+def _rotary(config, width: int, size: int) -> int:
+    return 2 * width * (config.hidden_size // config.num_attention_heads) * size  # cos and sin, shared by the rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_arithmetic_matches_what_a_forward_pass_keeps(arch, padded, dtype):
+    kept, config, ids = _forward_kept(arch, padded, dtype, checkpointed=False)
+    assert config.num_key_value_heads < config.num_attention_heads, "grouped-query: k and v narrower than q"
     seq_len, size = (ids.shape[1] if padded else None), torch.finfo(dtype).bits // 8
     expected = activation_bytes(config, tokens=ids.numel(), logit_tokens=0, bytes_per_value=size, seq_len=seq_len)
-    rotary = 2 * ids.shape[1] * (config.hidden_size // config.num_attention_heads) * size  # cos and sin, shared by the rows
-    assert kept == expected + rotary
+    assert kept == expected + _rotary(config, ids.shape[1], size)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -96,24 +109,14 @@ def test_a_checkpointed_forward_keeps_each_layers_input(arch, padded, dtype):
     """With activation checkpointing a training forward keeps each layer's input and the final
     norm's values, plus what every layer's checkpoint shares: the rotary tables, the positions
     and, with padding, the boolean mask."""
-    config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=3)
-    model = load_causal_lm(config, TOK).to(dtype)
-    enable_gradient_checkpointing(model)
-    model.train()
-    ids = torch.randint(4, len(TOK), (4, 10))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0 if padded else 1
-    with PeakMeter() as meter:
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        kept = meter.now - logits.numel() * logits.element_size()
-        del logits
+    kept, config, ids = _forward_kept(arch, padded, dtype, checkpointed=True)
     rows, width = ids.shape
     size = torch.finfo(dtype).bits // 8
     values = activation_values_per_token(config, width if padded else None, checkpointing=True)
     assert values == config.num_hidden_layers * config.hidden_size + 3 * config.hidden_size + 1
     wide = float32_values_per_token(config, checkpointing=True)
-    rotary = 2 * width * (config.hidden_size // config.num_attention_heads) * size
-    shared = rotary + width * 8 + (rows * width * width if padded else 0)  # int64 positions, a bool per (query, key)
+    # the rotary tables, int64 positions, and a bool per (query, key) with padding
+    shared = _rotary(config, width, size) + width * 8 + (rows * width * width if padded else 0)
     assert kept == ids.numel() * (values * size + wide * (4 - size)) + shared
 
 
@@ -138,11 +141,10 @@ def test_bf16_weights_keep_the_norms_inputs_and_the_log_sum_exp_in_float32():
     assert half == 2 * activation_values_per_token(config) + 2 * float32_values_per_token(config)
 
 
-def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradients():
-    config = tiny_config(TOK, hidden_size=64)
-    model = load_causal_lm(config, TOK)
+def _peak_of_an_update(model, batch) -> PeakMeter:
+    """The meter of an actor update's second step (Adam's state exists from the first on, as
+    between the steps of a run)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    batch = build_batch(TOK, [f"{i}+{2 * i}=" for i in range(8)], [str(3 * i) for i in range(8)])
 
     def update():
         log_probs, _ = response_log_probs(model, batch)
@@ -150,9 +152,17 @@ def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradie
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    update()  # Adam's state exists from here on, as between the steps of a run
+    update()
     with PeakMeter() as meter:
         update()
+    return meter
+
+
+def test_an_update_peaks_between_the_activations_and_the_activations_plus_gradients():
+    config = tiny_config(TOK, hidden_size=64)
+    model = load_causal_lm(config, TOK)
+    batch = build_batch(TOK, [f"{i}+{2 * i}=" for i in range(8)], [str(3 * i) for i in range(8)])
+    meter = _peak_of_an_update(model, batch)
     rows, width = batch["responses"].shape
     tokens, seq_len = batch["input_ids"].numel(), batch["input_ids"].shape[1]  # a padded batch: it carries a mask
     act = activation_bytes(config, tokens, logit_tokens=rows * (width + 1), bytes_per_value=4, seq_len=seq_len)
@@ -171,18 +181,8 @@ def test_a_checkpointed_update_peaks_near_the_layers_inputs_and_one_layer():
     model = load_causal_lm(config, TOK)
     enable_gradient_checkpointing(model)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch = build_batch(TOK, [f"{i}+{2 * i}=" for i in range(100, 164)], [str(3 * i) for i in range(100, 164)])
-
-    def update():
-        log_probs, _ = response_log_probs(model, batch)
-        (-log_probs.sum()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    update()
-    with PeakMeter() as meter:
-        update()
+    meter = _peak_of_an_update(model, batch)
     rows, width = batch["responses"].shape
     tokens, seq_len = batch["input_ids"].numel(), batch["input_ids"].shape[1]
     act = {

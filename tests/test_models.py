@@ -1,5 +1,8 @@
+from collections import Counter
+
 import pytest
 import torch
+from _inputs import attention_calls
 from transformers import PreTrainedTokenizerFast
 
 from refppo.models import (
@@ -128,16 +131,6 @@ def test_separate_reference_is_a_frozen_copy(tok):
     assert make_reference(actor, dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
-def _attention_calls(model) -> list[int]:
-    """A counter per decoder layer of its attention module's forward calls, recomputations
-    included (inside the layer: transformers checkpoints a layer's forward, not its hooks)."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    calls = [0] * len(layers)
-    for i, layer in enumerate(layers):
-        layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-    return calls
-
-
 @pytest.mark.parametrize("kind", ["causal LM", "LoRA actor", "scalar head"])
 def test_gradient_checkpointing_recomputes_each_layer_for_the_same_gradients(tok, kind):
     """enable_gradient_checkpointing: a backward pass recomputes each decoder layer's forward
@@ -157,16 +150,15 @@ def test_gradient_checkpointing_recomputes_each_layer_for_the_same_gradients(tok
         model = build()
         if checkpointed:
             enable_gradient_checkpointing(model)
-        counter = _attention_calls(model)
         model.train()
-        model(input_ids=ids, attention_mask=mask, use_cache=False).logits.square().mean().backward()
+        with attention_calls([model], lambda layer, _: id(layer)) as trained:
+            model(input_ids=ids, attention_mask=mask, use_cache=False).logits.square().mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-        calls.append(list(counter))
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), attention_calls([model], lambda layer, _: id(layer)) as evaluated:
             model(input_ids=ids, attention_mask=mask, use_cache=False)
-        calls[-1] = (calls[-1], [c - b for c, b in zip(counter, calls[-1])])
-    assert calls == [([1, 1], [1, 1]), ([2, 2], [1, 1])]
+        calls.append([sorted(Counter(seen).values()) for seen in (trained, evaluated)])  # calls per layer
+    assert calls == [[[1, 1], [1, 1]], [[2, 2], [1, 1]]]
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 

@@ -1,4 +1,3 @@
-import contextlib
 import math
 import os
 import subprocess
@@ -8,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _inputs import CHAT_TEMPLATES, chat_tokenizer
+from _inputs import CHAT_TEMPLATES, attention_calls, chat_tokenizer
 from _trainers import make_trainer
 
 from refppo.models import add_lora, enable_gradient_checkpointing, load_causal_lm, load_value_model, tiny_config
@@ -503,19 +502,6 @@ def test_grouped_decode_attention_equals_plain_attention(length):
 
 
 
-@contextlib.contextmanager
-def _attention_calls(models, record):
-    """Yields a list that gets ``record(layer, kwargs)`` at every attention layer's call."""
-    calls = []
-    layers = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
-    hooks = [m.register_forward_pre_hook(lambda m, args, kw: calls.append(record(m, kw)), with_kwargs=True) for m in layers]
-    try:
-        yield calls
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
 def _length_and_attention(layer, kwargs):
     return kwargs["hidden_states"].shape[1], layer.config._attn_implementation
 
@@ -526,7 +512,7 @@ def test_generate_decodes_with_the_grouped_attention_and_restores_the_model(tok)
     on SDPA. A model on eager attention is left alone."""
     torch.manual_seed(0)
     actor = load_causal_lm(tiny_config(tok))
-    with _attention_calls([actor], _length_and_attention) as calls:
+    with attention_calls([actor], _length_and_attention) as calls:
         batch = _rollout(tok, actor, max_new_tokens=5, ignore_eos=True)
     layers = actor.config.num_hidden_layers
     assert [length for length, _ in calls] == [batch["prompts"].shape[1]] * layers + [1] * 4 * layers
@@ -539,7 +525,7 @@ def test_generate_decodes_with_the_grouped_attention_and_restores_the_model(tok)
     with decode_attention(eager):
         assert eager.config._attn_implementation == "eager"
     lora = add_lora(actor)
-    with _attention_calls([lora], _length_and_attention) as calls:
+    with attention_calls([lora], _length_and_attention) as calls:
         _rollout(tok, lora, max_new_tokens=2)
     assert calls and {name for _, name in calls} == {DECODE_ATTENTION}
     assert actor.config._attn_implementation == "sdpa"
@@ -585,7 +571,7 @@ def test_trainable_passes_leave_cudnn_attention_out(tok, models):
     the setting is restored after."""
     actor, critic, reward_model = models
     batch = _rollout(tok, actor)
-    with _attention_calls(models, lambda *_: torch.backends.cuda.cudnn_sdp_enabled()) as seen:
+    with attention_calls(models, lambda *_: torch.backends.cuda.cudnn_sdp_enabled()) as seen:
         response_log_probs(actor, batch)
         response_log_probs(actor, batch, fused=True)
         response_values(critic, batch)
@@ -608,7 +594,7 @@ def test_checkpointed_recomputation_leaves_cudnn_attention_out(tok):
         model.train()
     log_probs, _ = response_log_probs(actor, batch)
     values = response_values(critic, batch)
-    with _attention_calls([actor, critic], lambda *_: torch.backends.cuda.cudnn_sdp_enabled()) as seen:
+    with attention_calls([actor, critic], lambda *_: torch.backends.cuda.cudnn_sdp_enabled()) as seen:
         (log_probs.sum() + values.sum()).backward()
     assert seen == [False] * 2 * config.num_hidden_layers, "every layer recomputed, none with cuDNN"
     assert torch.backends.cuda.cudnn_sdp_enabled()
