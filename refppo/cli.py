@@ -23,7 +23,10 @@ from pathlib import Path
 import torch
 
 from refppo.advantages import needs_critic
-from refppo.config import RANGES, Config, apply_overrides, choices, config_to_dict, get_value, leaf_keys, validate
+from refppo.config import (
+    RANGES, Config, apply_overrides, choices, config_to_dict, format_value, get_value, ignored_message, ignored_settings,
+    leaf_keys, validate,
+)  # fmt: skip
 from refppo.data import sft_examples, task_data
 from refppo.models import (
     add_lora, check_fused_kernels, enable_gradient_checkpointing, freeze, load_causal_lm, load_value_model,
@@ -47,17 +50,17 @@ _UNREAD_BECAUSE = {
 
 
 def read_settings(command: str, config: Config) -> list[str]:
-    """The dotted keys ``refppo <command>`` reads with ``config`` (its task and ``model.path``
-    decide some): any other override would be ignored, so :func:`main` refuses it.
+    """The dotted keys ``refppo <command>`` may read with ``config`` (its task and ``model.path``
+    decide some; :func:`refppo.config.ignored_settings` names the ones another setting turns
+    off): any other override would be ignored, so :func:`main` refuses it.
 
     Args:
         command: "sft", "rm" or "ppo".
         config: the settings after the overrides.
     """
     keys = leaf_keys(config)
-    if command == "ppo":  # it loads model.path, whose shape it keeps; a critic only if the estimator reads values
-        unread = ("sft.", "rm.") + (() if needs_critic(config.algorithm.adv_estimator) else ("critic.",))
-        return [k for k in keys if not k.startswith(unread) and k not in _TINY_MODEL]
+    if command == "ppo":  # it loads model.path, whose shape it keeps
+        return [k for k in keys if not k.startswith(("sft.", "rm.")) and k not in _TINY_MODEL]
     if command == "rm":
         return ["data.task", "model.path", "model.enable_gradient_checkpointing", *[k for k in keys if k.startswith("rm.")], *_RUN_BASICS]
     arithmetic = config.data.task == "arithmetic"
@@ -71,31 +74,35 @@ def read_settings(command: str, config: Config) -> list[str]:
 
 def settings_help(command: str) -> str:
     """``refppo <command> --help``: every setting the command reads with its defaults (for sft: the
-    arithmetic task and a fresh tiny model), as ``key=default`` with the valid values."""
+    arithmetic task and a fresh tiny model), as ``key=default`` with the valid values, and for a
+    setting the defaults turn off, what turns it on."""
     config = Config()
     config.trainer.output_dir = f"runs/{command}"
-    named = choices()
+    named, ignored = choices(), ignored_settings(config)
     rows = []
     for key in read_settings(command, config):
-        value = get_value(config, key)
-        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-        text = ",".join(map(str, value)) if isinstance(value, tuple) else text
-        rows.append((f"{key}={text}", " | ".join(named[key]) if key in named else RANGES.get(key, "")))
+        valid = " | ".join(named[key]) if key in named else RANGES.get(key, "")
+        note = f"(read only with {ignored[key]})" if key in ignored else ""
+        rows.append((f"{key}={format_value(get_value(config, key))}", "  ".join(filter(None, [valid, note]))))
     width = max(len(setting) for setting, _ in rows) + 2
     lines = [f"usage: refppo {command} [key=value ...]", "", "settings (key=default, then the valid values):"]
     return "\n".join(lines + [f"  {setting.ljust(width)}{valid}".rstrip() for setting, valid in rows])
 
 
 def check_overrides_are_read(command: str, config: Config, overrides: list[str]) -> None:
-    """Refuse an override that ``refppo <command>`` would ignore, naming why.
+    """Refuse an override that ``refppo <command>`` would ignore, naming why: a setting of another
+    command, or one that another setting turns off (:func:`refppo.config.ignored_settings`).
 
     Args:
         command: "sft", "rm" or "ppo".
         config: the settings after the overrides.
         overrides: the ``key=value`` texts given.
     """
-    read = read_settings(command, config)
-    for key in (item.partition("=")[0].strip() for item in overrides):
+    read, ignored = read_settings(command, config), ignored_settings(config)
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in read and key in ignored:
+            raise ValueError(f"refppo {command}: " + ignored_message(item.strip(), key, ignored[key]))
         if key in read:
             continue
         section = key.split(".")[0]
@@ -105,8 +112,6 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
             why = "the model's shape comes from model.path"
         elif section in ("sft", "rm"):
             why = f"it is a setting of refppo {section}"
-        elif section == "critic" and command == "ppo":
-            why = f"algorithm.adv_estimator={config.algorithm.adv_estimator} uses no critic"
         elif any(k.startswith(section + ".") for k in read):
             why = f"of {section}.* it reads {', '.join(k for k in read if k.startswith(section + '.'))}"
         else:

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from refppo.advantages import ADV_ESTIMATORS
+from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.kl import KL_CONTROLLER_TYPES, kl_penalty_types
 from refppo.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from refppo.rollout import TRUNCATION_MODES
@@ -460,6 +460,82 @@ def token_budget(role) -> int | None:
     return role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None
 
 
+# The policy loss's and the advantage estimator's own settings: read only by the functions that
+# declare them (a registered function declares the ones it reads).
+_LOSS_SETTINGS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "penalty_kl_coef", "penalty_kl_type")
+_ESTIMATOR_SETTINGS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
+
+
+def ignored_settings(config: Config) -> dict[str, str]:
+    """The settings that another setting of ``config`` turns off, each with what would read it.
+
+    :func:`validate` refuses one that differs from its default, ``refppo ppo`` one given at all,
+    and a resumed run may change one (its run never read it either).
+
+    Args:
+        config: the settings.
+
+    Returns:
+        {dotted key: the condition under which it is read}, e.g.
+        ``{"algorithm.kl_ctrl.kl_coef": "algorithm.use_kl_in_reward=true", ...}``.
+    """
+    d, m, a, alg, rm = config.data, config.model, config.actor, config.algorithm, config.reward_model
+    out: dict[str, str] = {}
+
+    def unless(read: bool, keys, needs: str) -> None:
+        if not read:
+            for key in [keys] if isinstance(keys, str) else keys:
+                out.setdefault(key, needs)  # the first reason found is the one given
+
+    def takers(registry, key: str, input_name: str) -> str:
+        return f"{key}={' or '.join(n for n in registry.names() if registry.takes(n, input_name))}"
+
+    unless(needs_critic(alg.adv_estimator), [k for k in leaf_keys(config) if k.startswith("critic.")],
+           takers(ADV_ESTIMATORS, "algorithm.adv_estimator", "values") + " (an estimator with a critic)")  # fmt: skip
+    for name in _ESTIMATOR_SETTINGS:
+        unless(ADV_ESTIMATORS.takes(alg.adv_estimator, name), f"algorithm.{name}", takers(ADV_ESTIMATORS, "algorithm.adv_estimator", name))
+    for name in _LOSS_SETTINGS:
+        unless(POLICY_LOSSES.takes(a.policy_loss, name), f"actor.{name}", takers(POLICY_LOSSES, "actor.policy_loss", name))
+    unless(a.clip_ratio_low is None or a.clip_ratio_high is None, "actor.clip_ratio",
+           "actor.clip_ratio_low or actor.clip_ratio_high null (both are set)")  # fmt: skip
+    unless(a.policy_mode == "rollout_correction", "actor.rollout_is_threshold", "actor.policy_mode=rollout_correction")
+    unless(a.policy_mode != "bypass", "rollout.log_prob_micro_batch_size_per_gpu",
+           "an actor.policy_mode other than bypass (bypass reuses the sampler's log-probs)")  # fmt: skip
+    unless(a.use_kl_loss, ["actor.kl_loss_coef", "actor.kl_loss_type"], "actor.use_kl_loss=true")
+    unless(alg.use_kl_in_reward, ["algorithm.kl_penalty", *(f"algorithm.kl_ctrl.{f.name}" for f in dataclasses.fields(KLCtrlConfig))],
+           "algorithm.use_kl_in_reward=true")  # fmt: skip
+    unless(alg.kl_ctrl.type != "fixed", "algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.type=adaptive or ppo_paper")
+    unless(alg.kl_ctrl.type == "adaptive", "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.type=adaptive")
+    unless(alg.use_kl_in_reward or a.use_kl_loss, "ref.log_prob_micro_batch_size_per_gpu",
+           "algorithm.use_kl_in_reward=true or actor.use_kl_loss=true (the reference pass)")  # fmt: skip
+    for role in ("actor", "critic"):
+        r = getattr(config, role)
+        unless(r.use_dynamic_bsz, f"{role}.ppo_max_token_len_per_gpu", f"{role}.use_dynamic_bsz=true")
+        unless(r.loss_agg_mode == "seq-mean-token-sum-norm", f"{role}.loss_scale_factor",
+               f"{role}.loss_agg_mode=seq-mean-token-sum-norm")  # fmt: skip
+        unless(r.optim.lr_warmup_steps == -1, f"{role}.optim.lr_warmup_steps_ratio", f"{role}.optim.lr_warmup_steps=-1")
+        unless(r.optim.lr_scheduler_type == "cosine", f"{role}.optim.min_lr_ratio", f"{role}.optim.lr_scheduler_type=cosine")
+    unless(rm.enable, ["reward_model.model.path", "reward_model.micro_batch_size_per_gpu"], "reward_model.enable=true")
+    unless(m.lora_rank > 0, "model.lora_alpha", "model.lora_rank > 0")
+    unless(d.task == "file", ["data.train_files", "data.val_files", "data.prompt_key"], "data.task=file")
+    unless(d.task != "file" or d.val_files is None, "data.val_size", "data.val_files=null (data.val_files holds the evaluation prompts)")
+    return out
+
+
+def ignored_message(setting: str, key: str, needs: str) -> str:
+    """The refusal of an ignored setting: ``setting`` as given, its ``key``, and what would read it."""
+    return f"{setting} is ignored: {key} is read only with {needs}. Set that, or drop {key}"
+
+
+def format_value(value) -> str:
+    """A setting's value as an override writes it: null, true/false, tuples as 0.9,0.999."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -549,36 +625,14 @@ def validate(config: Config) -> Config:
     _require(
         not (d.task == "file" and d.train_files is None), "data.task=file needs data.train_files (JSONL or Parquet)"
     )
-    # An option that another one makes meaningless is an error, never silently ignored.
-    for role in ("actor", "critic"):
-        o = getattr(config, role).optim
-        _require(
-            o.lr_warmup_steps == -1 or o.lr_warmup_steps_ratio == 0,
-            f"{role}.optim.lr_warmup_steps_ratio is read only with {role}.optim.lr_warmup_steps=-1 "
-            f"(it is {o.lr_warmup_steps}): drop one of them",
-        )
-        _require(
-            o.lr_scheduler_type == "cosine" or o.min_lr_ratio == 0,
-            f"{role}.optim.min_lr_ratio is read only with {role}.optim.lr_scheduler_type=cosine: set it or drop min_lr_ratio",
-        )
-    for key, value in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
-        _require(
-            d.task == "file" or value is None,
-            f"{key} is read only with data.task=file (data.task={d.task} builds its own prompts): "
-            f"set data.task=file or drop {key}",
-        )
-    rm = config.reward_model
     _require(
-        not (rm.enable and rm.reward_fn),
+        not (config.reward_model.enable and config.reward_model.reward_fn),
         "reward_model.enable=true and reward_model.reward_fn both give the training score: drop one "
         "(with the reward model, the task's own rule is reported as reward/gold, never trained on)",
     )
-    _require(
-        rm.enable or rm.model.path is None, "reward_model.model.path is read only with reward_model.enable=true: set it or drop the path"
-    )
-    for key in ("critic.model.path", "critic.model.enable_gradient_checkpointing"):
-        _require(
-            ADV_ESTIMATORS.takes(alg.adv_estimator, "values") or get_value(config, key) in (None, False),
-            f"{key} is set but algorithm.adv_estimator={alg.adv_estimator} uses no critic",
-        )
+    # An option that another one makes meaningless is an error, never silently ignored.
+    default = Config()
+    for key, needs in ignored_settings(config).items():
+        value = get_value(config, key)
+        _require(value == get_value(default, key), ignored_message(f"{key}={format_value(value)}", key, needs))
     return config

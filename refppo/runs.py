@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.config import Config, config_to_dict, flatten
+from refppo.config import Config, config_to_dict, flatten, ignored_settings
 
 STATE_FILE = "trainer_state.pt"  # a checkpoint's one file: PPOTrainer.state_dict()
 
@@ -98,7 +98,8 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     """Everything a resume needs, read and checked without writing anything.
 
     Refuses (ValueError) a folder whose ``config.json`` differs from ``config`` in a setting
-    outside ``RESUMABLE_CHANGES`` (all listed), one with no checkpoint that loads, and a
+    outside ``RESUMABLE_CHANGES`` (all listed; a setting that ``config`` ignores may differ, as
+    one saved by a run from before refppo refused it), one with no checkpoint that loads, and a
     metrics log damaged anywhere but its last line (a line torn by a kill is dropped).
 
     Args:
@@ -119,10 +120,11 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot resume {str(path)!r}: its config.json is unreadable ({e})") from None
     new = flatten(json.loads(_config_json(config)))  # through JSON, as saved: tuples become lists
+    free = RESUMABLE_CHANGES | ignored_settings(config).keys()
     changed = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(set(saved) | set(new))
-        if k not in RESUMABLE_CHANGES and saved.get(k) != new.get(k)
+        if k not in free and saved.get(k) != new.get(k)
     ]
     if changed:
         raise ValueError(

@@ -139,7 +139,7 @@ class PPOTrainer:
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
         if c.model.enable_gradient_checkpointing:  # after the reference's copy, which is never trained
             enable_gradient_checkpointing(actor)
-        if c.critic.model.enable_gradient_checkpointing:
+        if self.use_critic and c.critic.model.enable_gradient_checkpointing:
             enable_gradient_checkpointing(critic, "critic.model.enable_gradient_checkpointing")
         self.fused = c.model.use_fused_kernels
         self.compiled = c.actor.use_torch_compile

@@ -17,24 +17,21 @@ def first_char_is_seven(prompts, responses, records):
     return torch.tensor([float(r[:1] == "7") for r in responses])
 
 
-def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_critic=None, lora_rank=0, **kw):
+def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_critic=None, lora_rank=0, edit=None, **kw):
     """A PPOTrainer on a 1-layer, 32-wide model: 16 prompts a step, 4 response tokens; a critic
     when the advantage estimator needs one (or as ``with_critic`` says); a LoRA actor of rank
-    ``lora_rank`` if it is > 0."""
-    config = apply_overrides(
-        Config(),
-        [
-            "data.train_batch_size=16",
-            "data.max_response_length=4",
-            "actor.ppo_mini_batch_size=8",
-            "actor.optim.lr=3e-3",
-            "critic.optim.lr=3e-3",
-            "trainer.critic_warmup=0",
-            f"trainer.seed={seed}",
-            *overrides,
-        ],
-    )
-    validate(config)
+    ``lora_rank`` if it is > 0. ``critic.*`` overrides apply where the estimator has a critic
+    (validate refuses them elsewhere), so tests can share one list across estimators.
+    ``edit(config)``, if given, changes the validated config (to build one validate refuses)."""
+    base = ["data.train_batch_size=16", "data.max_response_length=4", "actor.ppo_mini_batch_size=8",
+            "actor.optim.lr=3e-3", "trainer.critic_warmup=0", f"trainer.seed={seed}"]  # fmt: skip
+    if needs_critic(apply_overrides(Config(), list(overrides)).algorithm.adv_estimator):
+        overrides = ["critic.optim.lr=3e-3", *overrides]
+    else:
+        overrides = [o for o in overrides if not o.startswith("critic.")]
+    config = validate(apply_overrides(Config(), [*base, *overrides]))
+    if edit is not None:
+        edit(config)
     torch.manual_seed(seed)
     model_config = tiny_config(TOK, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     actor = load_causal_lm(model_config)

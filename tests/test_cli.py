@@ -20,6 +20,7 @@ QUICK_PPO = [
     "trainer.total_training_steps=2", "trainer.test_freq=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
     "data.val_size=8", "trainer.progress_bar=false", "data.max_response_length=4", "trainer.critic_warmup=0",
 ]  # fmt: skip
+FILE_PPO = [o for o in QUICK_PPO if o != "data.val_size=8"]  # data.val_files would leave data.val_size unread (refused)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_pat
     out = tmp_path / "run"
     extra = [e.format(**files) for e in extra]
     with pytest.raises(error, match=message):
-        main(["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", *extra, *QUICK_PPO])
+        main(["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", *extra, *FILE_PPO])
     assert not out.exists()
 
 
@@ -218,7 +219,11 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
         ("rm", ["sft.steps=3"], r"refppo rm does not read sft.steps \(it is a setting of refppo sft\)"),
         ("ppo", ["rm.steps=3"], r"refppo ppo does not read rm.steps \(it is a setting of refppo rm\)"),
         ("ppo", ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.optim.lr=1e-4"],
-         r"refppo ppo does not read critic.optim.lr \(algorithm.adv_estimator=grpo uses no critic\): drop it"),
+         r"refppo ppo: critic.optim.lr=1e-4 is ignored: critic.optim.lr is read only with algorithm.adv_estimator=gae"),
+        # Given at all, even at its default: refppo ppo would not read it.
+        ("ppo", ["algorithm.kl_ctrl.kl_coef=0.001"],
+         r"refppo ppo: algorithm.kl_ctrl.kl_coef=0.001 is ignored: .* read only with algorithm.use_kl_in_reward=true\. Set that, or drop"),
+        ("ppo", ["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=2"], "rollout.log_prob_micro_batch_size_per_gpu=2 is ignored"),
         ("sft", ["trainer.total_training_steps=3"],
          r"refppo sft does not read trainer.total_training_steps \(of trainer.\* it reads trainer.seed, trainer.device, trainer.output_dir, trainer.progress_bar\)"),
         ("rm", ["data.max_response_length=4"], r"refppo rm does not read data.max_response_length \(of data.\* it reads data.task\)"),
@@ -250,6 +255,9 @@ def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_bac
     if command == "ppo":
         # Registered estimators are valid too (test_registry.py adds some when it is imported).
         assert valid["algorithm.adv_estimator"].startswith("gae | grpo | rloo") and valid["actor.clip_ratio_c"] == "(1, inf)"
+        # A setting the defaults turn off says what turns it on.
+        assert valid["algorithm.kl_ctrl.kl_coef"] == "[0, inf) (read only with algorithm.use_kl_in_reward=true)"
+        assert valid["data.prompt_key"] == "(read only with data.task=file)"
 
 
 def test_sft_refuses_fused_kernels_for_an_unsupported_model_before_any_write(sft_run, tmp_path):
@@ -307,7 +315,7 @@ def test_the_command_states_refused_input_in_one_line_and_keeps_other_tracebacks
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1="}\n' * 8)
     out = tmp_path / "run"
-    run = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={data}", *QUICK_PPO]
+    run = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={data}", *FILE_PPO]
     refused = {
         f"data.val_files={tmp_path}/missing.jsonl": f"refppo: error: dataset file '{tmp_path}/missing.jsonl' does not exist",
         f"data.val_files={tmp_path}": f"refppo: error: dataset path '{tmp_path}' is a folder",

@@ -99,6 +99,25 @@ def test_a_resume_may_turn_checkpointing_on_in_a_run_saved_before_the_setting_ex
     assert check_resume(tmp_path / "r", on).step == 6
 
 
+def test_a_resume_may_drop_a_setting_its_run_never_read(tmp_path):
+    """A run saved before refppo refused ignored settings may hold one (here the KL controller's
+    coefficient without KL in the reward); the resume, which must drop it, goes ahead. The same
+    setting where it is read must stay the same."""
+    _saved_run(tmp_path / "r")
+    config_file = tmp_path / "r" / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved["algorithm"]["kl_ctrl"]["kl_coef"] = 0.05
+    config_file.write_text(json.dumps(saved))
+    assert check_resume(tmp_path / "r", Config()).step == 6
+    saved["algorithm"]["use_kl_in_reward"] = True
+    config_file.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"changed: algorithm.use_kl_in_reward: True -> False\. Start"):
+        check_resume(tmp_path / "r", Config())
+    read = apply_overrides(Config(), ["algorithm.use_kl_in_reward=true"])
+    with pytest.raises(ValueError, match=r"changed: algorithm.kl_ctrl.kl_coef: 0.05 -> 0.001\. Start a new"):
+        check_resume(tmp_path / "r", read)
+
+
 def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
     run = RunFolder(tmp_path / "r", Config())
     run.log(0, {"val/score": 0.5})  # killed before its first checkpoint

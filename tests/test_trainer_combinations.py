@@ -54,15 +54,8 @@ def configs(draw) -> tuple[list[str], int]:
         f"algorithm.adv_estimator={estimator}", f"rollout.n={n}", f"data.train_batch_size={prompts}",
         f"data.max_response_length={response_len}", f"actor.ppo_mini_batch_size={mini}",
         f"actor.ppo_epochs={draw(st.integers(1, 2))}", f"actor.policy_mode={mode}",
-        f"actor.policy_loss={loss}",
-        f"actor.penalty_kl_type={draw(st.sampled_from(KL_TYPES))}",
-        f"actor.loss_agg_mode={draw(st.sampled_from(AGG))}",
-        f"actor.clip_ratio_c={draw(st.sampled_from(['null', '3.0']))}",
-        f"actor.clip_ratio_high={draw(st.sampled_from(['null', '0.28']))}",
-        f"actor.use_kl_loss={draw(st.booleans())}", f"actor.kl_loss_type={draw(st.sampled_from(KL_TYPES))}",
+        f"actor.policy_loss={loss}", f"actor.loss_agg_mode={draw(st.sampled_from(AGG))}",
         f"actor.entropy_coeff={draw(st.sampled_from([0.0, 0.01]))}",
-        f"algorithm.use_kl_in_reward={draw(st.booleans())}", f"algorithm.kl_penalty={draw(st.sampled_from(KL_TYPES))}",
-        f"algorithm.kl_ctrl.type={draw(st.sampled_from(['fixed', 'adaptive', 'ppo_paper']))}",
         f"model.use_fused_kernels={draw(st.booleans())}", f"actor.use_torch_compile={draw(st.booleans())}",
         f"model.enable_gradient_checkpointing={draw(st.booleans())}",
         f"rollout.temperature={draw(st.sampled_from([0.7, 1.0]))}", f"rollout.top_k={draw(st.sampled_from([-1, 3]))}",
@@ -71,6 +64,17 @@ def configs(draw) -> tuple[list[str], int]:
         f"trainer.critic_warmup={warmup}", "trainer.total_training_steps=3",
         *_batching(draw, "actor", mini * n, longest),
     ]  # fmt: skip
+    # Settings another one turns off are drawn only where they are read (validate refuses the rest).
+    if loss == "penalty":
+        overrides += [f"actor.penalty_kl_type={draw(st.sampled_from(KL_TYPES))}"]
+    else:
+        overrides += [f"actor.clip_ratio_c={draw(st.sampled_from(['null', '3.0']))}",
+                      f"actor.clip_ratio_high={draw(st.sampled_from(['null', '0.28']))}"]  # fmt: skip
+    if draw(st.booleans()):
+        overrides += ["actor.use_kl_loss=true", f"actor.kl_loss_type={draw(st.sampled_from(KL_TYPES))}"]
+    if draw(st.booleans()):
+        overrides += ["algorithm.use_kl_in_reward=true", f"algorithm.kl_penalty={draw(st.sampled_from(KL_TYPES))}",
+                      f"algorithm.kl_ctrl.type={draw(st.sampled_from(['fixed', 'adaptive', 'ppo_paper']))}"]  # fmt: skip
     if estimator == "gae":
         overrides += [
             f"critic.ppo_mini_batch_size={critic_mini}", f"critic.ppo_epochs={draw(st.integers(1, 2))}",

@@ -339,7 +339,8 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     the same with the log-probs computed from the hidden states (model.use_fused_kernels)."""
     trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.3",
                             "algorithm.lam=0.9", "algorithm.gamma=0.95", f"actor.policy_mode={mode}",
-                            "actor.rollout_is_threshold=1.02", f"model.use_fused_kernels={str(fused).lower()}"])  # fmt: skip
+                            f"model.use_fused_kernels={str(fused).lower()}",
+                            *(["actor.rollout_is_threshold=1.02"] if mode == "rollout_correction" else [])])  # fmt: skip
     reference = copy.deepcopy(trainer.actor)
     perturb_rollout_log_probs(trainer)
     trainer.train_step()  # actor and critic move; the reference must not
