@@ -60,7 +60,7 @@ from refppo.rollout import (
 from refppo.runs import STATE_FILE
 
 # Stats aggregated with loss_agg_mode, as the loss is: micro-batches combine like the loss.
-LOSS_STATS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss"})
+LOSS_STATS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"})
 # Consecutive skipped updates (non-finite gradient) of one model after which the run stops.
 MAX_SKIPPED_UPDATES = 8
 
@@ -223,8 +223,10 @@ class PPOTrainer:
             timing: receives ``timing_s/reward``, ``/ref``, ``/old_log_prob``, ``/values``, ``/adv``.
 
         Returns:
-            Metrics as detached scalars: ``reward/<name>/mean`` of the extra reward functions and,
-            with KL in the reward, its estimate and coefficient.
+            Metrics as detached scalars: ``reward/<name>/mean`` of the extra reward functions,
+            ``actor/entropy`` (the sampling policy's, from the old-log-prob pass: none in
+            ``policy_mode=bypass``, as in verl 0.9) and, with KL in the reward, its estimate and
+            coefficient.
         """
         c, mask = self.config, batch["response_mask"]
         temp = c.rollout.temperature
@@ -236,12 +238,13 @@ class PPOTrainer:
                 timing, "ref", compute_log_probs, self.reference, batch, temp, micro,
                 max_tokens=token_budget(c.actor), fused=self.fused, compiled=self.compiled,
             )
+        entropy = None  # (B, R): the sampling policy's, from the old-log-prob pass (bypass runs none)
         if c.actor.policy_mode == "bypass":
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
             micro = c.rollout.log_prob_micro_batch_size_per_gpu
-            batch["old_log_probs"] = self._timed(
-                timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro,
+            batch["old_log_probs"], entropy = self._timed(
+                timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro, calculate_entropy=True,
                 max_tokens=token_budget(c.actor), fused=self.fused, compiled=self.compiled,
             )
         if c.actor.policy_mode == "rollout_correction":
@@ -253,11 +256,13 @@ class PPOTrainer:
             batch["values"] = self._timed(timing, "values", compute_values, self.critic, batch, micro, token_budget(c.critic))
         stats |= self._timed(timing, "adv", self._rewards_and_advantages, batch, scores)
         # The update reads these in every micro-batch: check their values here, once per step.
-        check_values(
-            masks={"response_mask": mask},
-            finite={k: batch[k] for k in ("old_log_probs", "ref_log_prob", "values", "advantages", "returns") if k in batch},
-            where=mask,
-        )
+        checked = {k: batch[k] for k in ("old_log_probs", "ref_log_prob", "values", "advantages", "returns") if k in batch}
+        check_values(masks={"response_mask": mask}, finite=checked | {"entropy": entropy} if entropy is not None else checked, where=mask)
+        if entropy is not None:
+            with value_checks(False):  # checked just above
+                # verl 0.9's actor/entropy: the sampling policy's, over the batch, aggregated as the loss is
+                scale = self._loss_scale_factor(c.actor.loss_scale_factor)
+                stats["actor/entropy"] = agg_loss(entropy, mask, c.actor.loss_agg_mode, scale)
         return stats
 
     def _rewards_and_advantages(self, batch: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -331,19 +336,20 @@ class PPOTrainer:
     def _actor_loss(self, mb):
         a, temp = self.config.actor, self.config.rollout.temperature
         mask = mb["response_mask"]
+        bonus = a.entropy_coeff != 0  # else no entropy here: actor/entropy comes from the old-log-prob pass (verl 0.9)
         log_prob, entropy = response_log_probs(
-            self.actor, mb, temp, calculate_entropy=True, fused=self.fused, compiled=self.compiled
+            self.actor, mb, temp, calculate_entropy=bonus, fused=self.fused, compiled=self.compiled
         )
         scale = self._loss_scale_factor(a.loss_scale_factor)
         pg_loss, pg_metrics = POLICY_LOSSES.call(
             a.policy_loss, old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
             response_mask=mask, rollout_is_weights=mb.get("rollout_is_weights"), **(vars(a) | {"loss_scale_factor": scale}),
         )  # fmt: skip
-        entropy_mean = agg_loss(entropy, mask, a.loss_agg_mode, scale)
-        loss = pg_loss
-        if a.entropy_coeff != 0:  # else logged only, and its gradient never computed (as in verl)
-            loss = loss - a.entropy_coeff * entropy_mean
-        stats = {"actor/pg_loss": pg_loss.detach(), **pg_metrics, "actor/entropy": entropy_mean.detach()}
+        loss, stats = pg_loss, {"actor/pg_loss": pg_loss.detach(), **pg_metrics}
+        if bonus:
+            entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode, scale)
+            loss = loss - a.entropy_coeff * entropy_loss
+            stats["actor/entropy_loss"] = entropy_loss.detach()
         if a.use_kl_loss:
             kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, scale)
             loss = loss + a.kl_loss_coef * kl_loss

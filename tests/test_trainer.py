@@ -244,7 +244,7 @@ def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split
             trainer.config.actor.ppo_micro_batch_size_per_gpu, token_budget(trainer.config.actor), mode, trainer._actor_loss, "actor",
         )[0]  # fmt: skip
         trainer.first = {k: float(v) for k, v in mini.items() if k != "actor/grad_norm"}
-    assert set(whole.first) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"}
+    assert set(whole.first) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "actor/pg_clipfrac", "actor/ppo_kl"}
     assert whole.first == pytest.approx(split.first, rel=1e-5, abs=1e-7)
     first_mini = {k: v[:8] for k, v in batch.items()}
     micro = split.config.actor.ppo_micro_batch_size_per_gpu
@@ -272,7 +272,10 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     with pytest.raises(ValueError, match="values contains NaN or inf"):
         trainer.train_step()  # GAE's own input check
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor_params))
-    nan_log_probs = lambda model, batch, *args, **kwargs: torch.full_like(batch["rollout_log_probs"], float("nan"))
+    def nan_log_probs(model, batch, *args, calculate_entropy=False, **kwargs):
+        nan = torch.full_like(batch["rollout_log_probs"], float("nan"))
+        return (nan, torch.zeros_like(nan)) if calculate_entropy else nan
+
     monkeypatch.setattr(refppo.trainer, "compute_log_probs", nan_log_probs)
     with pytest.raises(ValueError, match="old_log_probs contains NaN or inf at a valid token"):
         make_trainer(["trainer.critic_warmup=0"]).train_step()  # nothing else reads them before the update
@@ -287,19 +290,22 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_the_entropy_is_logged_always_and_differentiated_only_with_a_coefficient(monkeypatch, fused):
-    """actor.entropy_coeff=0 (the default): actor/entropy is logged, but no backward pass forms
-    its gradient; with a coefficient, every one does."""
+def test_the_update_computes_the_entropy_only_with_a_coefficient(monkeypatch, fused):
+    """actor.entropy_coeff=0 (the default): no update forms an entropy (actor/entropy comes from
+    the old-log-prob pass, as in verl 0.9); with a coefficient, every one computes it, logs
+    actor/entropy_loss and differentiates it."""
     import refppo.functional as F
 
-    seen = []
-    plain = F._chunked_grads
-    monkeypatch.setattr(F, "_chunked_grads", lambda *a: seen.append(a[3] is not None) or plain(*a))
-    for coeff, differentiated in ((0.0, False), (0.01, True)):
-        seen.clear()
+    asked, differentiated = [], []
+    plain_pass, plain_grads = refppo.trainer.response_log_probs, F._chunked_grads
+    monkeypatch.setattr(refppo.trainer, "response_log_probs", lambda *a, **k: asked.append(k["calculate_entropy"]) or plain_pass(*a, **k))
+    monkeypatch.setattr(F, "_chunked_grads", lambda *a: differentiated.append(a[3] is not None) or plain_grads(*a))
+    for coeff, bonus in ((0.0, False), (0.01, True)):
+        asked.clear(), differentiated.clear()
         metrics = make_trainer([f"actor.entropy_coeff={coeff}", f"model.use_fused_kernels={fused}"]).train_step()
-        assert metrics["actor/entropy"] > 0
-        assert seen and all(s == differentiated for s in seen), (coeff, seen)
+        assert metrics["actor/entropy"] > 0 and ("actor/entropy_loss" in metrics) == bonus
+        assert asked and all(a == bonus for a in asked), (coeff, asked)
+        assert differentiated and all(d == bonus for d in differentiated), (coeff, differentiated)
 
 
 def test_the_progress_bar_shows_the_kl_to_the_reference_when_one_is_computed():

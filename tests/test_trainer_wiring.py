@@ -335,10 +335,12 @@ def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, fu
 @pytest.mark.parametrize("mode, fused", [("decoupled", False), ("bypass", False), ("rollout_correction", False), ("decoupled", True)])
 def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     """old log-probs from the actor (or the rollout), reference log-probs from the frozen copy,
-    values from the critic, the score on the last token, KL in the reward, GAE, IS weights;
-    the same with the log-probs computed from the hidden states (model.use_fused_kernels)."""
+    values from the critic, the score on the last token, KL in the reward, GAE, IS weights, and
+    verl 0.9's actor/entropy (the sampling policy's, aggregated as the loss is); the same with
+    the log-probs computed from the hidden states (model.use_fused_kernels)."""
     trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.3",
                             "algorithm.lam=0.9", "algorithm.gamma=0.95", f"actor.policy_mode={mode}",
+                            "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=3",
                             f"model.use_fused_kernels={str(fused).lower()}",
                             *(["actor.rollout_is_threshold=1.02"] if mode == "rollout_correction" else [])])  # fmt: skip
     reference = copy.deepcopy(trainer.actor)
@@ -349,10 +351,15 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     scores = batch["token_level_scores"].sum(-1)  # the sequence scores
     mask = batch["response_mask"].float()
     with torch.no_grad():
-        actor_logp, _ = plain_forward(trainer.actor, batch)
+        actor_logp, actor_entropy = plain_forward(trainer.actor, batch)
         ref_logp, _ = plain_forward(reference, batch)
         values = plain_values(trainer.critic, batch)
     assert (actor_logp - ref_logp).abs().max() > 1e-3, "the actor should have moved"
+    if mode == "bypass":  # no old-log-prob pass to take it from
+        assert "actor/entropy" not in stats
+    else:
+        expected = plain_agg(actor_entropy, mask, "seq-mean-token-sum-norm", 3)
+        assert stats["actor/entropy"].item() == pytest.approx(expected.item(), abs=1e-5)
     old = batch["rollout_log_probs"] if mode == "bypass" else actor_logp
     torch.testing.assert_close(batch["old_log_probs"], old, atol=2e-5, rtol=0)
     torch.testing.assert_close(batch["ref_log_prob"], ref_logp, atol=2e-5, rtol=0)
