@@ -105,6 +105,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
+    # The update also computes the entropy without a coefficient (actor/entropy_loss); verl's name.
+    calculate_entropy: bool = False
     grad_clip: float = 1.0
     # Every log-prob pass of the run (sampling, old, reference, update) reduces its logits with
     # kernels made by torch.compile, one fused kernel per block instead of several float32 passes
@@ -159,8 +161,8 @@ class CriticConfig:
     use_dynamic_bsz: bool = False  # as actor.use_dynamic_bsz, for the critic's update and values pass
     ppo_max_token_len_per_gpu: int = 32768
     cliprange_value: float | None = 0.5
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None  # as actor.loss_scale_factor
+    loss_agg_mode: str | None = None  # None: actor.loss_agg_mode (verl interpolates the same way)
+    loss_scale_factor: float | None = None  # None: actor.loss_scale_factor (as verl 0.9)
     grad_clip: float = 1.0
 
 
@@ -441,16 +443,12 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return out
 
 
-def critic_epochs(config: Config) -> int:
-    """``critic.ppo_epochs``, or the actor's when unset."""
-    c = config.critic.ppo_epochs
-    return config.actor.ppo_epochs if c is None else c
-
-
-def critic_mini_batch_size(config: Config) -> int:
-    """``critic.ppo_mini_batch_size`` (prompts), or the actor's when unset."""
-    c = config.critic.ppo_mini_batch_size
-    return config.actor.ppo_mini_batch_size if c is None else c
+def critic_setting(config: Config, name: str):
+    """``critic.<name>``, or ``actor.<name>`` when unset, as verl's config interpolates them:
+    ``ppo_epochs``, ``ppo_mini_batch_size`` (prompts), ``loss_agg_mode``, ``loss_scale_factor``
+    (still None when both are: the trainer then divides by ``data.max_response_length``)."""
+    value = getattr(config.critic, name)
+    return getattr(config.actor, name) if value is None else value
 
 
 def token_budget(role) -> int | None:
@@ -508,11 +506,15 @@ def ignored_settings(config: Config) -> dict[str, str]:
     unless(alg.kl_ctrl.type == "adaptive", "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.type=adaptive")
     unless(alg.use_kl_in_reward or a.use_kl_loss, "ref.log_prob_micro_batch_size_per_gpu",
            "algorithm.use_kl_in_reward=true or actor.use_kl_loss=true (the reference pass)")  # fmt: skip
+    norm = "seq-mean-token-sum-norm"
+    critic_norm = needs_critic(alg.adv_estimator) and critic_setting(config, "loss_agg_mode") == norm
+    unless(a.loss_agg_mode == norm or (critic_norm and config.critic.loss_scale_factor is None), "actor.loss_scale_factor",
+           f"actor.loss_agg_mode={norm}, or a critic whose loss mode is that with critic.loss_scale_factor null")  # fmt: skip
+    unless(critic_norm, "critic.loss_scale_factor", f"critic.loss_agg_mode={norm} (null: actor.loss_agg_mode)")
+    unless(a.entropy_coeff == 0, "actor.calculate_entropy", "actor.entropy_coeff=0 (a coefficient computes the entropy anyway)")
     for role in ("actor", "critic"):
         r = getattr(config, role)
         unless(r.use_dynamic_bsz, f"{role}.ppo_max_token_len_per_gpu", f"{role}.use_dynamic_bsz=true")
-        unless(r.loss_agg_mode == "seq-mean-token-sum-norm", f"{role}.loss_scale_factor",
-               f"{role}.loss_agg_mode=seq-mean-token-sum-norm")  # fmt: skip
         unless(r.optim.lr_warmup_steps == -1, f"{role}.optim.lr_warmup_steps_ratio", f"{role}.optim.lr_warmup_steps=-1")
         unless(r.optim.lr_scheduler_type == "cosine", f"{role}.optim.min_lr_ratio", f"{role}.optim.lr_scheduler_type=cosine")
     unless(rm.enable, ["reward_model.model.path", "reward_model.micro_batch_size_per_gpu"], "reward_model.enable=true")
@@ -560,7 +562,8 @@ def validate(config: Config) -> Config:
     d, a, r, alg, t = config.data, config.actor, config.rollout, config.algorithm, config.trainer
     for key, valid in choices().items():
         value = get_value(config, key)
-        _require(value in valid, f"{key}={value!r} is not one of {', '.join(valid)}")
+        null = value is None and _optional(config, key)  # derived from another setting
+        _require(null or value in valid, f"{key}={value!r} is not one of {', '.join(valid)}")
     for key, spec in RANGES.items():
         value = get_value(config, key)
         for item in value if isinstance(value, tuple) else (value,):
@@ -574,7 +577,7 @@ def validate(config: Config) -> Config:
     )
     for role, mini, micro in [
         ("actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
-        ("critic", critic_mini_batch_size(config), config.critic.ppo_micro_batch_size_per_gpu),
+        ("critic", critic_setting(config, "ppo_mini_batch_size"), config.critic.ppo_micro_batch_size_per_gpu),
     ]:
         _require(
             d.train_batch_size % mini == 0,

@@ -38,7 +38,7 @@ import torch
 
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import check_values, value_checks
-from refppo.config import Config, critic_epochs, critic_mini_batch_size, token_budget
+from refppo.config import Config, critic_setting, token_budget
 from refppo.data import EpochSampler
 from refppo.functional import masked_corr, masked_max_min, masked_mean, masked_var
 from refppo.kl import get_kl_controller, kl_penalty
@@ -336,9 +336,10 @@ class PPOTrainer:
     def _actor_loss(self, mb):
         a, temp = self.config.actor, self.config.rollout.temperature
         mask = mb["response_mask"]
-        bonus = a.entropy_coeff != 0  # else no entropy here: actor/entropy comes from the old-log-prob pass (verl 0.9)
+        # actor/entropy comes from the old-log-prob pass (verl 0.9); here only for the bonus or if asked
+        bonus = a.entropy_coeff != 0
         log_prob, entropy = response_log_probs(
-            self.actor, mb, temp, calculate_entropy=bonus, fused=self.fused, compiled=self.compiled
+            self.actor, mb, temp, calculate_entropy=bonus or a.calculate_entropy, fused=self.fused, compiled=self.compiled
         )
         scale = self._loss_scale_factor(a.loss_scale_factor)
         pg_loss, pg_metrics = POLICY_LOSSES.call(
@@ -346,9 +347,10 @@ class PPOTrainer:
             response_mask=mask, rollout_is_weights=mb.get("rollout_is_weights"), **(vars(a) | {"loss_scale_factor": scale}),
         )  # fmt: skip
         loss, stats = pg_loss, {"actor/pg_loss": pg_loss.detach(), **pg_metrics}
-        if bonus:
+        if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode, scale)
-            loss = loss - a.entropy_coeff * entropy_loss
+            if bonus:  # else no gradient through it (verl adds 0 x entropy_loss)
+                loss = loss - a.entropy_coeff * entropy_loss
             stats["actor/entropy_loss"] = entropy_loss.detach()
         if a.use_kl_loss:
             kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, scale)
@@ -362,11 +364,11 @@ class PPOTrainer:
         return self.config.data.max_response_length if configured is None else configured
 
     def _critic_loss(self, mb):
-        cc = self.config.critic
+        c = self.config
         vpreds = response_values(self.critic, mb)
         vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds, mb["returns"], mb["values"], mb["response_mask"], cc.cliprange_value, cc.loss_agg_mode,
-            self._loss_scale_factor(cc.loss_scale_factor),
+            vpreds, mb["returns"], mb["values"], mb["response_mask"], c.critic.cliprange_value,
+            critic_setting(c, "loss_agg_mode"), self._loss_scale_factor(critic_setting(c, "loss_scale_factor")),
         )  # fmt: skip
         vpred_mean = masked_mean(vpreds.detach(), mb["response_mask"])
         return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean}
@@ -416,8 +418,9 @@ class PPOTrainer:
             self.critic.train()
             critic_minis = self._timed(
                 timing, "update_critic", self._minibatch_updates, batch, self.critic_opt, self.critic_params,
-                c.critic.grad_clip, critic_epochs(c), critic_mini_batch_size(c), c.critic.ppo_micro_batch_size_per_gpu,
-                token_budget(c.critic), c.critic.loss_agg_mode, self._critic_loss, "critic",
+                c.critic.grad_clip, critic_setting(c, "ppo_epochs"), critic_setting(c, "ppo_mini_batch_size"),
+                c.critic.ppo_micro_batch_size_per_gpu, token_budget(c.critic), critic_setting(c, "loss_agg_mode"),
+                self._critic_loss, "critic",
             )  # fmt: skip
             self.critic.eval()
             self.critic_sched.step()

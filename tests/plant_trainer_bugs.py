@@ -16,7 +16,11 @@ a bug). With the five bugs in the chunked log-softmax and the log-probs from hid
 tests (trainer, wiring, registry, rollout, functional): 29 of 29 caught (14-36 s a bug). A 30th
 (the autocast dtype ignored), added after, is caught by the functional tests (run alone). The
 whole list again on 2026-11-24, after the rollout-correction weights and the LR schedules
-changed, default tests: 30 of 30 caught (9-56 s a bug).
+changed, default tests: 30 of 30 caught (9-56 s a bug). On 2026-11-25 six lines had moved
+(the batch check, the entropy now computed in the update only with a coefficient, the chunked
+gradient's temperature, the fused update, the critic's settings read through critic_setting); with
+them updated and a 31st bug (the critic's loss mode not the actor's when unset), default tests: 31
+of 31 caught (9-26 s a bug, 8 min in all, AMD EPYC Zen 4).
 """
 
 import os
@@ -35,17 +39,19 @@ BUGS = [
     ("KL in the reward: arguments swapped", 'batch["old_log_probs"], batch["ref_log_prob"], mask, beta', 'batch["ref_log_prob"], batch["old_log_probs"], mask, beta'),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     ("KL computed but not put in the reward", 'batch["token_level_rewards"], current_kl = apply_kl_penalty(', "_, current_kl = apply_kl_penalty("),
-    ("the batch's values not checked", 'finite={k: batch[k] for k in ("old_log_probs",', 'finite={k: batch[k] for k in ("unchecked",'),
+    ("the batch's values not checked", 'checked = {k: batch[k] for k in ("old_log_probs",', 'checked = {k: batch[k] for k in ("unchecked",'),
     ("micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
     ("logged losses weighted by token share", "(weight if k in LOSS_STATS else share) * v", "share * v"),
-    ("temperature ignored in the update", "response_log_probs(self.actor, mb, temp, calculate_entropy=True,", "response_log_probs(self.actor, mb, 1.0, calculate_entropy=True,"),
+    ("temperature ignored in the update", "self.actor, mb, temp, calculate_entropy=bonus", "self.actor, mb, 1.0, calculate_entropy=bonus"),
     ("policy loss on the rollout's log-probs", 'old_log_prob=mb["old_log_probs"]', 'old_log_prob=mb["rollout_log_probs"]'),
     ("policy loss on the returns", 'advantages=mb["advantages"]', 'advantages=mb["returns"]'),
-    ("entropy bonus with the wrong sign", "loss = loss - a.entropy_coeff * entropy_mean", "loss = loss + a.entropy_coeff * entropy_mean"),
+    ("entropy bonus with the wrong sign", "loss = loss - a.entropy_coeff * entropy_loss", "loss = loss + a.entropy_coeff * entropy_loss"),
     ("KL loss on the old log-probs (no gradient)", 'kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)', 'kl_penalty(mb["old_log_probs"], mb["ref_log_prob"], a.kl_loss_type)'),
     ("value loss: returns and old values swapped", 'vpreds, mb["returns"], mb["values"], mb["response_mask"]', 'vpreds, mb["values"], mb["returns"], mb["response_mask"]'),
     ("seq-mean-token-sum-norm over the batch width", "return self.config.data.max_response_length if configured is None else configured", "return configured"),
-    ("critic uses the actor's epochs", "c.critic.grad_clip, critic_epochs(c),", "c.critic.grad_clip, c.actor.ppo_epochs,"),
+    ("critic uses the actor's epochs", 'c.critic.grad_clip, critic_setting(c, "ppo_epochs"),', "c.critic.grad_clip, c.actor.ppo_epochs,"),
+    ("config.py", "the critic's loss mode not the actor's when unset", "return getattr(config.actor, name) if value is None else value",
+     'return ("token-mean" if name == "loss_agg_mode" else getattr(config.actor, name)) if value is None else value'),
     ("explained variance over the values", '(masked_var(batch["returns"], mask) + 1e-5)', '(masked_var(batch["values"], mask) + 1e-5)'),
     ("losses.py", "clip adapter: bounds swapped", "clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,", "clip_ratio, clip_ratio_high, clip_ratio_low, clip_ratio_c,"),
     ("losses.py", "penalty adapter: KL type for the coefficient", "penalty_kl_coef, penalty_kl_type, loss_agg_mode,\n", "0.1, penalty_kl_type, loss_agg_mode,\n"),
@@ -58,12 +64,12 @@ BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
     ("rollout.py", "a micro-batch over the token budget", "(len(groups[-1]) + 1) * sum(grown) > max_tokens", "len(groups[-1]) * sum(grown) > max_tokens"),
 ]
 BUGS += [  # log-probs from the hidden states (model.use_fused_kernels)
-    ("functional.py", "chunked log-softmax: temperature left out of the gradient", "yield s, e, g if temperature == 1.0 else g / temperature", "yield s, e, g"),
+    ("functional.py", "chunked log-softmax: temperature left out of the gradient", "            temperature, dtype,\n        )  # fmt: skip", "            1.0, dtype,\n        )  # fmt: skip"),
     ("functional.py", "fused: the head's gradient halved", "grad_w.addmm_(g.T, h)", "grad_w.addmm_(g.T, h, alpha=0.5)"),
     ("models.py", "fused: the reference keeps its adapter", "with model.actor.disable_adapter():\n            return final_hidden_states", "if True:\n            return final_hidden_states"),
     ("rollout.py", "fused: hidden states one position late", "hidden[:, -width - 1 : -1]", "hidden[:, -width:]"),
     ("functional.py", "fused: the autocast dtype ignored", "torch.get_autocast_dtype(device) if autocast else ", ""),
-    ("trainer.py", "fused: the update still computes whole logits", "calculate_entropy=True, fused=self.fused)", "calculate_entropy=True)"),
+    ("trainer.py", "fused: the update still computes whole logits", "calculate_entropy=bonus or a.calculate_entropy, fused=self.fused,", "calculate_entropy=bonus or a.calculate_entropy, fused=False,"),
 ]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
 

@@ -5,7 +5,7 @@ import typing
 
 import pytest
 
-from refppo.config import RANGES, Config, leaf_keys, _owner, apply_overrides, config_from_dict, config_to_dict, get_value, in_range, validate
+from refppo.config import RANGES, Config, leaf_keys, _owner, apply_overrides, config_from_dict, config_to_dict, critic_setting, get_value, in_range, validate
 
 
 def test_overrides_are_typed():
@@ -115,7 +115,10 @@ def test_bad_values():
         (["actor.rollout_is_threshold=1.5"], "actor.rollout_is_threshold=1.5 is ignored: .* read only with actor.policy_mode=rollout_correction"),
         (["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=4"], "rollout.log_prob_micro_batch_size_per_gpu=4 is ignored: .* other than bypass"),
         (["actor.loss_scale_factor=8"], "actor.loss_scale_factor=8.0 is ignored: .* read only with actor.loss_agg_mode=seq-mean-token-sum-norm"),
-        (["critic.loss_scale_factor=8"], "critic.loss_scale_factor=8.0 is ignored: .* read only with critic.loss_agg_mode=seq-mean-token-sum-norm"),
+        (["critic.loss_scale_factor=8"], r"critic.loss_scale_factor=8.0 is ignored: .* read only with critic.loss_agg_mode=seq-mean-token-sum-norm \(null: actor.loss_agg_mode\)"),
+        (["critic.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_scale_factor=8", "actor.loss_scale_factor=4"],
+         "actor.loss_scale_factor=4.0 is ignored: .* or a critic whose loss mode is that with critic.loss_scale_factor null"),
+        (["actor.entropy_coeff=0.01", "actor.calculate_entropy=true"], "actor.calculate_entropy=true is ignored: .* read only with actor.entropy_coeff=0"),
         (["actor.ppo_max_token_len_per_gpu=512"], "actor.ppo_max_token_len_per_gpu=512 is ignored: .* read only with actor.use_dynamic_bsz=true"),
         (["critic.ppo_max_token_len_per_gpu=512"], "critic.ppo_max_token_len_per_gpu=512 is ignored: .* read only with critic.use_dynamic_bsz=true"),
         (["reward_model.micro_batch_size_per_gpu=4"], "reward_model.micro_batch_size_per_gpu=4 is ignored: .* read only with reward_model.enable=true"),
@@ -136,6 +139,16 @@ def test_bad_values():
 def test_validation_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         validate(apply_overrides(Config(), overrides))
+
+
+def test_unset_critic_settings_are_the_actors_as_verl_interpolates_them():
+    c = validate(apply_overrides(Config(), ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=4", "actor.ppo_epochs=3"]))
+    assert [critic_setting(c, k) for k in ("loss_agg_mode", "loss_scale_factor", "ppo_epochs", "ppo_mini_batch_size")] == [
+        "seq-mean-token-sum-norm", 4, 3, 16]
+    own = validate(apply_overrides(Config(), ["critic.loss_agg_mode=token-sum", "critic.ppo_mini_batch_size=8"]))
+    assert critic_setting(own, "loss_agg_mode") == "token-sum" and critic_setting(own, "ppo_mini_batch_size") == 8
+    # The critic alone reads the actor's constant: no refusal.
+    validate(apply_overrides(Config(), ["critic.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=4"]))
 
 
 def test_round_trip_through_a_dict():

@@ -293,19 +293,21 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
 def test_the_update_computes_the_entropy_only_with_a_coefficient(monkeypatch, fused):
     """actor.entropy_coeff=0 (the default): no update forms an entropy (actor/entropy comes from
     the old-log-prob pass, as in verl 0.9); with a coefficient, every one computes it, logs
-    actor/entropy_loss and differentiates it."""
+    actor/entropy_loss and differentiates it; actor.calculate_entropy=true computes and logs it
+    without a gradient."""
     import refppo.functional as F
 
     asked, differentiated = [], []
     plain_pass, plain_grads = refppo.trainer.response_log_probs, F._chunked_grads
     monkeypatch.setattr(refppo.trainer, "response_log_probs", lambda *a, **k: asked.append(k["calculate_entropy"]) or plain_pass(*a, **k))
     monkeypatch.setattr(F, "_chunked_grads", lambda *a: differentiated.append(a[3] is not None) or plain_grads(*a))
-    for coeff, bonus in ((0.0, False), (0.01, True)):
+    for setting, computed, bonus in (("actor.entropy_coeff=0", False, False), ("actor.entropy_coeff=0.01", True, True),
+                                      ("actor.calculate_entropy=true", True, False)):  # fmt: skip
         asked.clear(), differentiated.clear()
-        metrics = make_trainer([f"actor.entropy_coeff={coeff}", f"model.use_fused_kernels={fused}"]).train_step()
-        assert metrics["actor/entropy"] > 0 and ("actor/entropy_loss" in metrics) == bonus
-        assert asked and all(a == bonus for a in asked), (coeff, asked)
-        assert differentiated and all(d == bonus for d in differentiated), (coeff, differentiated)
+        metrics = make_trainer([setting, f"model.use_fused_kernels={fused}"]).train_step()
+        assert metrics["actor/entropy"] > 0 and ("actor/entropy_loss" in metrics) == computed
+        assert asked and all(a == computed for a in asked), (setting, asked)
+        assert differentiated and all(d == bonus for d in differentiated), (setting, differentiated)
 
 
 def test_the_progress_bar_shows_the_kl_to_the_reference_when_one_is_computed():

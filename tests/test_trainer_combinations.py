@@ -55,7 +55,8 @@ def configs(draw) -> tuple[list[str], int]:
         f"data.max_response_length={response_len}", f"actor.ppo_mini_batch_size={mini}",
         f"actor.ppo_epochs={draw(st.integers(1, 2))}", f"actor.policy_mode={mode}",
         f"actor.policy_loss={loss}", f"actor.loss_agg_mode={draw(st.sampled_from(AGG))}",
-        f"actor.entropy_coeff={draw(st.sampled_from([0.0, 0.01]))}",
+        f"actor.entropy_coeff={(coeff := draw(st.sampled_from([0.0, 0.01])))}",
+        *([f"actor.calculate_entropy={draw(st.booleans())}"] if coeff == 0 else []),
         f"model.use_fused_kernels={draw(st.booleans())}", f"actor.use_torch_compile={draw(st.booleans())}",
         f"model.enable_gradient_checkpointing={draw(st.booleans())}",
         f"rollout.temperature={draw(st.sampled_from([0.7, 1.0]))}", f"rollout.top_k={draw(st.sampled_from([-1, 3]))}",
@@ -78,7 +79,7 @@ def configs(draw) -> tuple[list[str], int]:
     if estimator == "gae":
         overrides += [
             f"critic.ppo_mini_batch_size={critic_mini}", f"critic.ppo_epochs={draw(st.integers(1, 2))}",
-            f"critic.loss_agg_mode={draw(st.sampled_from(AGG))}",
+            f"critic.loss_agg_mode={draw(st.sampled_from([*AGG, 'null']))}",  # null: the actor's
             f"critic.cliprange_value={draw(st.sampled_from(['null', '0.5']))}",
             f"critic.model.enable_gradient_checkpointing={draw(st.booleans())}",
             *_batching(draw, "critic", critic_mini * n, longest),

@@ -144,7 +144,7 @@ def expected_actor_loss(trainer, batch):
             pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
         if a.policy_mode == "rollout_correction":
             pg = pg * torch.exp(old - batch["rollout_log_probs"]).clamp(max=a.rollout_is_threshold)
-    scale = trainer.config.data.max_response_length
+    scale = a.loss_scale_factor or trainer.config.data.max_response_length
     loss = plain_agg(pg, mask, a.loss_agg_mode, scale) - a.entropy_coeff * plain_agg(entropy, mask, a.loss_agg_mode, scale)
     if a.use_kl_loss:
         assert a.kl_loss_type in ("k2", "mse")
@@ -154,12 +154,14 @@ def expected_actor_loss(trainer, batch):
 
 
 def expected_critic_loss(trainer, batch):
-    c = trainer.config.critic
+    c, a = trainer.config.critic, trainer.config.actor
     mask = batch["response_mask"].float()
     v, old_v, ret = plain_values(trainer.critic, batch), batch["values"], batch["returns"]
     clipped = old_v + (v - old_v).clamp(-c.cliprange_value, c.cliprange_value)
-    scale = trainer.config.data.max_response_length
-    return 0.5 * plain_agg(torch.maximum((v - ret) ** 2, (clipped - ret) ** 2), mask, c.loss_agg_mode, scale)
+    # verl's config: an unset critic setting is the actor's
+    mode = a.loss_agg_mode if c.loss_agg_mode is None else c.loss_agg_mode
+    scale = c.loss_scale_factor or a.loss_scale_factor or trainer.config.data.max_response_length
+    return 0.5 * plain_agg(torch.maximum((v - ret) ** 2, (clipped - ret) ** 2), mask, mode, scale)
 
 
 def check_every_update(overrides, steps=2, prepare=None):
@@ -202,6 +204,15 @@ def test_every_update_has_the_plain_gradient_for_every_aggregation(mode, micro):
         [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "actor.ppo_epochs=2",
          *([f"actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}"] if micro else [])]
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "actor_only", [["actor.loss_agg_mode=seq-mean-token-sum"], ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=3"]]
+)
+def test_the_critic_takes_the_actors_loss_mode_and_constant_when_its_own_are_unset(actor_only):
+    """verl's critic.loss_agg_mode and (0.9) critic.loss_scale_factor default to the actor's."""
+    trainer = check_every_update(actor_only)
+    assert trainer.config.critic.loss_agg_mode is None and trainer.config.critic.loss_scale_factor is None
 
 
 def test_seq_mean_token_sum_norm_divides_by_the_configured_length_not_the_batch_width():
