@@ -443,8 +443,12 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return out
 
 
+# The critic settings that are the actor's when unset (verl's config interpolates them).
+CRITIC_FROM_ACTOR = ("ppo_epochs", "ppo_mini_batch_size", "loss_agg_mode", "loss_scale_factor")
+
+
 def critic_setting(config: Config, name: str):
-    """``critic.<name>``, or ``actor.<name>`` when unset, as verl's config interpolates them:
+    """``critic.<name>``, or ``actor.<name>`` when unset, for a name in ``CRITIC_FROM_ACTOR``:
     ``ppo_epochs``, ``ppo_mini_batch_size`` (prompts), ``loss_agg_mode``, ``loss_scale_factor``
     (still None when both are: the trainer then divides by ``data.max_response_length``)."""
     value = getattr(config.critic, name)

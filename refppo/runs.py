@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.config import Config, config_to_dict, flatten, ignored_settings
+from refppo.config import CRITIC_FROM_ACTOR, Config, config_to_dict, flatten, ignored_settings
 
 STATE_FILE = "trainer_state.pt"  # a checkpoint's one file: PPOTrainer.state_dict()
 
@@ -94,12 +94,20 @@ def _checkpoints(path: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def _critic_resolved(flat: dict) -> dict:
+    """A flattened config with each unset critic setting replaced by the actor's, so a run saved
+    with the value explicit (refppo fixed critic.loss_agg_mode at token-mean until 2026-11-25)
+    resumes where it means the same."""
+    return flat | {f"critic.{n}": flat.get(f"actor.{n}") for n in CRITIC_FROM_ACTOR if flat.get(f"critic.{n}") is None}
+
+
 def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     """Everything a resume needs, read and checked without writing anything.
 
     Refuses (ValueError) a folder whose ``config.json`` differs from ``config`` in a setting
     outside ``RESUMABLE_CHANGES`` (all listed; a setting that ``config`` ignores may differ, as
-    one saved by a run from before refppo refused it), one with no checkpoint that loads, and a
+    one saved by a run from before refppo refused it, and critic settings compare as resolved),
+    one with no checkpoint that loads, and a
     metrics log damaged anywhere but its last line (a line torn by a kill is dropped).
 
     Args:
@@ -120,6 +128,7 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot resume {str(path)!r}: its config.json is unreadable ({e})") from None
     new = flatten(json.loads(_config_json(config)))  # through JSON, as saved: tuples become lists
+    saved, new = _critic_resolved(saved), _critic_resolved(new)
     free = RESUMABLE_CHANGES | ignored_settings(config).keys()
     changed = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"

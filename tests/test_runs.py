@@ -118,6 +118,21 @@ def test_a_resume_may_drop_a_setting_its_run_never_read(tmp_path):
         check_resume(tmp_path / "r", read)
 
 
+def test_a_run_saved_with_the_critics_old_explicit_default_resumes(tmp_path):
+    """Until critic.loss_agg_mode defaulted to the actor's, a run saved "token-mean" there; with
+    the actor at token-mean that is the same run, with another actor mode it is not."""
+    _saved_run(tmp_path / "r")
+    config_file = tmp_path / "r" / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved["critic"]["loss_agg_mode"] = "token-mean"
+    config_file.write_text(json.dumps(saved))
+    assert check_resume(tmp_path / "r", Config()).step == 6
+    other = apply_overrides(Config(), ["actor.loss_agg_mode=seq-mean-token-mean"])
+    with pytest.raises(ValueError, match="changed: actor.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'; "
+                                         "critic.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'"):  # fmt: skip
+        check_resume(tmp_path / "r", other)
+
+
 def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
     run = RunFolder(tmp_path / "r", Config())
     run.log(0, {"val/score": 0.5})  # killed before its first checkpoint
