@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from _trainers import make_trainer
-from refppo.config import RANGES, choices, get_value, ignored_settings
+from refppo.config import RANGES, _owner, choices, ignored_settings
 
 # The trainer is given its models and data: these are read by refppo's commands, not by it.
 NOT_THE_TRAINERS = ("data.", "model.", "reward_model.model.")
@@ -58,9 +58,8 @@ def test_changing_an_ignored_setting_changes_nothing(base):
     for key in ignored:
 
         def edit(config, key=key):
-            owner, _, name = key.rpartition(".")
-            target = get_value(config, owner)
-            setattr(target, name, another_value(key, getattr(target, name)))
+            owner, name = _owner(config, key)
+            setattr(owner, name, another_value(key, getattr(owner, name)))
 
         _, other_metrics, other_weights = two_steps(overrides, edit)
         assert other_metrics == metrics, key

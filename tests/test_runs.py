@@ -28,6 +28,15 @@ def _saved_run(path, steps=(2, 4, 6)):
     return run
 
 
+def _rewrite_config(path, edit):
+    """Change a run folder's config.json as an older refppo would have written it: ``edit(saved)``
+    changes the loaded dict in place."""
+    file = Path(path) / "config.json"
+    saved = json.loads(file.read_text())
+    edit(saved)
+    file.write_text(json.dumps(saved))
+
+
 def _snapshot(path):
     return {p.relative_to(path): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
 
@@ -91,10 +100,11 @@ def test_a_resume_may_turn_checkpointing_on_in_a_run_saved_before_the_setting_ex
     """Activation checkpointing changes memory and time, not the numbers: a resume may turn it on,
     also in a run folder whose config.json predates the two settings."""
     _saved_run(tmp_path / "r")
-    config_file = tmp_path / "r" / "config.json"
-    saved = json.loads(config_file.read_text())
-    del saved["model"]["enable_gradient_checkpointing"], saved["critic"]["model"]["enable_gradient_checkpointing"]
-    config_file.write_text(json.dumps(saved))
+
+    def predate(saved):
+        del saved["model"]["enable_gradient_checkpointing"], saved["critic"]["model"]["enable_gradient_checkpointing"]
+
+    _rewrite_config(tmp_path / "r", predate)
     on = apply_overrides(Config(), ["model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"])
     assert check_resume(tmp_path / "r", on).step == 6
 
@@ -104,13 +114,9 @@ def test_a_resume_may_drop_a_setting_its_run_never_read(tmp_path):
     coefficient without KL in the reward); the resume, which must drop it, goes ahead. The same
     setting where it is read must stay the same."""
     _saved_run(tmp_path / "r")
-    config_file = tmp_path / "r" / "config.json"
-    saved = json.loads(config_file.read_text())
-    saved["algorithm"]["kl_ctrl"]["kl_coef"] = 0.05
-    config_file.write_text(json.dumps(saved))
+    _rewrite_config(tmp_path / "r", lambda saved: saved["algorithm"]["kl_ctrl"].update(kl_coef=0.05))
     assert check_resume(tmp_path / "r", Config()).step == 6
-    saved["algorithm"]["use_kl_in_reward"] = True
-    config_file.write_text(json.dumps(saved))
+    _rewrite_config(tmp_path / "r", lambda saved: saved["algorithm"].update(use_kl_in_reward=True))
     with pytest.raises(ValueError, match=r"changed: algorithm.use_kl_in_reward: True -> False\. Start"):
         check_resume(tmp_path / "r", Config())
     read = apply_overrides(Config(), ["algorithm.use_kl_in_reward=true"])
@@ -122,10 +128,7 @@ def test_a_run_saved_with_the_critics_old_explicit_default_resumes(tmp_path):
     """Until critic.loss_agg_mode defaulted to the actor's, a run saved "token-mean" there; with
     the actor at token-mean that is the same run, with another actor mode it is not."""
     _saved_run(tmp_path / "r")
-    config_file = tmp_path / "r" / "config.json"
-    saved = json.loads(config_file.read_text())
-    saved["critic"]["loss_agg_mode"] = "token-mean"
-    config_file.write_text(json.dumps(saved))
+    _rewrite_config(tmp_path / "r", lambda saved: saved["critic"].update(loss_agg_mode="token-mean"))
     assert check_resume(tmp_path / "r", Config()).step == 6
     other = apply_overrides(Config(), ["actor.loss_agg_mode=seq-mean-token-mean"])
     with pytest.raises(ValueError, match="changed: actor.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'; "
