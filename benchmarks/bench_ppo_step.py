@@ -22,7 +22,9 @@ side's median over all its timed steps and ``speedup`` = the second side's media
 (TRL's / refppo's by default). ``--impls refppo+,refppo --plus "k=v ..."`` sets refppo against
 itself with the ``--plus`` overrides on one side (``refppo+``), e.g. to measure an option;
 ``--chunk-elements N`` gives that side another log-softmax block size (rows x vocab elements,
-``refppo.functional._CHUNK_ELEMENTS``), with or without ``--plus``.
+``refppo.functional._CHUNK_ELEMENTS``), with or without ``--plus``. ``--cpu-bf16`` runs both
+sides' whole steps under the CPU's bf16 autocast (weights and optimisers float32), as both run on
+CUDA: whether a CPU with bf16 matrix instructions changes the comparison.
 
 Workloads (issue 15):
 
@@ -41,7 +43,7 @@ loop included). Peak memory: CUDA, the peak allocated; CPU, the process's peak r
 
 Usage: python benchmarks/bench_ppo_step.py [--workloads W1,W2] [--impls refppo,trl] [--rounds 3]
        [--steps 5] [--threads N] [--device cpu|cuda] [--json out.json] [--plus "key=value ..."]
-       [--chunk-elements N]
+       [--chunk-elements N] [--cpu-bf16]
        [key=value ...]   (refppo config overrides, e.g. actor.policy_mode=bypass)
 """
 
@@ -247,21 +249,26 @@ def set_chunk_elements(n: int | None) -> None:
         functional._CHUNK_ELEMENTS = n
 
 
-def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], chunk_elements: int | None = None) -> dict:
+def worker(
+    impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], chunk_elements: int | None = None, cpu_bf16: bool = False
+) -> dict:
     """One implementation on one workload in this process, with its peak memory: CUDA, the
     peak allocated (weights included); CPU, the process's peak resident set. ``extra``: refppo's
-    overrides (refppo+'s ``--plus`` included); ``chunk_elements``: refppo's log-softmax blocks."""
+    overrides (refppo+'s ``--plus`` included); ``chunk_elements``: refppo's log-softmax blocks;
+    ``cpu_bf16``: every step under the CPU's bf16 autocast (refppo autocasts on CUDA only, so
+    this outer context is the one its CPU passes see)."""
     set_chunk_elements(chunk_elements)
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    r = time_trl(name, device, steps) if impl == "trl" else time_refppo(name, device, steps, extra)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16):
+        r = time_trl(name, device, steps) if impl == "trl" else time_refppo(name, device, steps, extra)
     w = WORKLOADS[name]
     step = statistics.median(r["step_s_all"])
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "impl": impl, "workload": name, "device": device, "overrides": [] if impl == "trl" else list(extra),
-        "chunk_elements": None if impl == "trl" else functional._CHUNK_ELEMENTS, **r, "step_s": step,
+        "chunk_elements": None if impl == "trl" else functional._CHUNK_ELEMENTS, "cpu_bf16": cpu_bf16, **r, "step_s": step,
         "tokens_per_s": w["prompts"] * (w["prompt_len"] + w["response_len"]) / step,
         "generated_tokens_per_s": w["prompts"] * w["response_len"] / r["phases_s"]["gen"] if "gen" in r["phases_s"] else None,
         "peak_memory_gb": peak / 2**30,
@@ -269,13 +276,20 @@ def worker(impl: str, name: str, device: str, steps: int, extra: tuple[str, ...]
 
 
 def in_subprocess(
-    impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], threads: int | None, chunk_elements: int | None = None
+    impl: str,
+    name: str,
+    device: str,
+    steps: int,
+    extra: tuple[str, ...],
+    threads: int | None,
+    chunk_elements: int | None = None,
+    cpu_bf16: bool = False,
 ) -> dict:
     """``worker`` in a fresh Python process, so each side's peak memory is its own."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--worker", "--impls", impl, "--workloads", name, "--device", device]
         cmd += ["--steps", str(steps), "--json", f.name, *(["--threads", str(threads)] if threads else [])]
-        cmd += [*(["--chunk-elements", str(chunk_elements)] if chunk_elements else []), *extra]
+        cmd += [*(["--chunk-elements", str(chunk_elements)] if chunk_elements else []), *(["--cpu-bf16"] if cpu_bf16 else []), *extra]
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())[0]
 
@@ -335,6 +349,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--plus", default="", help='the refppo+ side\'s overrides, on top of the others, e.g. "model.use_fused_kernels=true"')
     parser.add_argument("--chunk-elements", type=positive_int, default=None, help="the refppo+ side's log-softmax blocks (rows x vocab elements)")
+    parser.add_argument("--cpu-bf16", action="store_true", help="both sides under the CPU's bf16 autocast (--device cpu)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
@@ -345,13 +360,15 @@ def main() -> None:
         parser.error("--impls: one or two different implementations")
     if ("refppo+" in impls) != bool(args.plus or args.chunk_elements) and not args.worker:  # a worker gets refppo+'s among its own
         parser.error("--plus and --chunk-elements change the refppo+ side: use refppo+ with one or both, or neither")
+    if args.cpu_bf16 and args.device != "cpu":
+        parser.error("--cpu-bf16 is for --device cpu (on CUDA both sides autocast to bf16 already)")
     plus = tuple(args.plus.split())
     try:  # an unknown key or a bad value, before any work (the workload's sizes are checked with them later)
         apply_overrides(Config(), [*args.overrides, *plus])
     except ValueError as e:
         parser.error(str(e))
     if args.worker:
-        results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides), args.chunk_elements)]
+        results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides), args.chunk_elements, args.cpu_bf16)]
     else:
         results = []
         for name in names:
@@ -360,7 +377,7 @@ def main() -> None:
                     plus_side = impl == "refppo+"
                     extra = tuple(args.overrides) + (plus if plus_side else ())
                     chunk = args.chunk_elements if plus_side else None
-                    r = in_subprocess(impl, name, args.device, args.steps, extra, args.threads, chunk)
+                    r = in_subprocess(impl, name, args.device, args.steps, extra, args.threads, chunk, args.cpu_bf16)
                     results.append(r)
                     phases = "  ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
                     print(
