@@ -256,8 +256,10 @@ class PPOTrainer:
             batch["values"] = self._timed(timing, "values", compute_values, self.critic, batch, micro, token_budget(c.critic))
         stats |= self._timed(timing, "adv", self._rewards_and_advantages, batch, scores)
         # The update reads these in every micro-batch: check their values here, once per step.
-        checked = {k: batch[k] for k in ("old_log_probs", "ref_log_prob", "values", "advantages", "returns") if k in batch}
-        check_values(masks={"response_mask": mask}, finite=checked | {"entropy": entropy} if entropy is not None else checked, where=mask)
+        finite = {k: batch[k] for k in ("old_log_probs", "ref_log_prob", "values", "advantages", "returns") if k in batch}
+        if entropy is not None:
+            finite["entropy"] = entropy
+        check_values(masks={"response_mask": mask}, finite=finite, where=mask)
         if entropy is not None:
             with value_checks(False):  # checked just above
                 # verl 0.9's actor/entropy: the sampling policy's, over the batch, aggregated as the loss is

@@ -264,7 +264,8 @@ def test_reward_function_errors():
 
 def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     """A critic that outputs NaN is caught when the step's batch is evaluated (one host sync), with
-    the key named and no model updated; inside the update loop the value checks are off."""
+    the key named and no model updated, and so are NaN old log-probs and a NaN entropy from the
+    old-log-prob pass; inside the update loop the value checks are off."""
     trainer = make_trainer(["trainer.critic_warmup=0"])
     with torch.no_grad():
         trainer.critic.score.bias.fill_(float("nan"))
@@ -279,6 +280,15 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     monkeypatch.setattr(refppo.trainer, "compute_log_probs", nan_log_probs)
     with pytest.raises(ValueError, match="old_log_probs contains NaN or inf at a valid token"):
         make_trainer(["trainer.critic_warmup=0"]).train_step()  # nothing else reads them before the update
+    monkeypatch.undo()
+
+    def nan_entropy(*args, calculate_entropy=False, _plain=refppo.trainer.compute_log_probs, **kwargs):
+        out = _plain(*args, calculate_entropy=calculate_entropy, **kwargs)
+        return (out[0], torch.full_like(out[1], float("nan"))) if calculate_entropy else out
+
+    monkeypatch.setattr(refppo.trainer, "compute_log_probs", nan_entropy)
+    with pytest.raises(ValueError, match="entropy contains NaN or inf at a valid token"):
+        make_trainer(["trainer.critic_warmup=0"]).train_step()  # actor/entropy, from the old-log-prob pass
     monkeypatch.undo()
 
     trainer = make_trainer(["actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2"])
