@@ -126,20 +126,38 @@ def shared_models(name: str, device: str, seed: int = 0) -> dict:
     return dict(tokenizer=tok, actor=actor, critic=critic, reward_model=reward_model, ids=ids)
 
 
-def build(name: str, device: str, seed: int = 0, extra: tuple[str, ...] = ()) -> PPOTrainer:
-    """refppo's PPOTrainer for workload ``name`` (KL in the reward, k1, beta 0.001)."""
+def workload_overrides(name: str, seed: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
+    """refppo's settings for workload ``name`` (KL in the reward, k1, beta 0.001), then ``extra``."""
     w = WORKLOADS[name]
     micro = w.get("micro")
-    overrides = [
+    return [
         f"data.train_batch_size={w['prompts']}", f"data.max_prompt_length={w['prompt_len']}",
         f"data.max_response_length={w['response_len']}", "rollout.ignore_eos=true",
         f"actor.ppo_mini_batch_size={w['prompts'] // w['minis']}", f"actor.ppo_epochs={w['epochs']}",
-        "algorithm.use_kl_in_reward=true", "trainer.critic_warmup=0", f"trainer.seed={seed}", *extra,
+        "algorithm.use_kl_in_reward=true", "trainer.critic_warmup=0", f"trainer.seed={seed}",
         *([f"actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}",
            f"rollout.log_prob_micro_batch_size_per_gpu={micro}", f"ref.log_prob_micro_batch_size_per_gpu={micro}",
            f"reward_model.micro_batch_size_per_gpu={micro}"] if micro else []),
+        *extra,
     ]  # fmt: skip
-    config = validate(apply_overrides(Config(), overrides))
+
+
+RM_MICRO = "reward_model.micro_batch_size_per_gpu"
+
+
+def benchmark_config(overrides: list[str]) -> Config:
+    """The validated config of ``overrides``. The reward model is passed to the trainer as a
+    model, not by ``reward_model.enable`` and a path, so :func:`refppo.config.validate` would
+    refuse its micro-batch size as unread; the trainer reads it for any reward model it is given,
+    so it is set after validation."""
+    rm_micro = [o for o in overrides if o.startswith(RM_MICRO + "=")]
+    config = validate(apply_overrides(Config(), [o for o in overrides if o not in rm_micro]))
+    return apply_overrides(config, rm_micro[-1:])
+
+
+def build(name: str, device: str, seed: int = 0, extra: tuple[str, ...] = ()) -> PPOTrainer:
+    """refppo's PPOTrainer for workload ``name`` (:func:`workload_overrides`)."""
+    config = benchmark_config(workload_overrides(name, seed, extra))
     m = shared_models(name, device, seed)
     records = [{"prompt": " ".join(f"w{i}" for i in row)} for row in m["ids"].tolist()]
     return PPOTrainer(
@@ -240,6 +258,38 @@ def time_trl(name: str, device: str, steps: int, on_step_end=None) -> dict:
             trainer.train()
     steps_s = [b - a for a, b in zip(times, times[1:])]
     return {"warmup_step_s": steps_s[0], "step_s_all": steps_s[1:], "phases_s": {}}
+
+
+def device_info(device: str) -> dict:
+    """What a measurement ran on: the card (or CPU) and the versions that set its speed."""
+    import platform
+
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    if device == "cuda":
+        info["device"] = torch.cuda.get_device_name()
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            info["driver"] = None
+    else:
+        info["device"] = platform.processor() or platform.machine()
+    return info
+
+
+def step_record(
+    steps_s: list[float], phases_s: dict, device: str, commit: str | None, overrides: list[str], chunk_elements: int | None
+) -> dict:
+    """A step's result as ``benchmarks/results/q_step.json`` keeps it: the median of the timed
+    steps (after warm-up), each step, the median phase times, the machine and the settings."""
+    return {
+        "median_step_s": statistics.median(steps_s), "steps": steps_s, "phases_s": phases_s,
+        **device_info(device), "commit": commit, "date": time.strftime("%Y-%m-%d"),
+        "overrides": overrides, "chunk_elements": chunk_elements or functional._CHUNK_ELEMENTS,
+    }  # fmt: skip
 
 
 def set_chunk_elements(n: int | None) -> None:
