@@ -9,7 +9,7 @@ variant gets one warm-up step (its compilation), then ``--rounds`` rounds of one
 variants in turn (reversed every other round). The weights train on, which does not change a
 fixed-length step's work (``rollout.ignore_eos``). The JSON is rewritten after every step, so a
 run cut short keeps what it measured. ``--profile NAME`` ends with one profiled step of that
-variant (``profile_step.py``'s table); ``--record NAME`` writes that variant's result in
+variant (``profile_step.py``'s table); ``--record NAME`` writes that variant's result (after each of its steps) in
 ``q_step.json``'s format (``bench_ppo_step.step_record``).
 
 Usage: python benchmarks/ab_step.py --workload Q --variant base= --variant "compiled=actor.use_torch_compile=true"
@@ -123,6 +123,12 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"workload": args.workload, "overrides": args.overrides, "variants": summary}, f, indent=1)
+        row = summary.get(args.record, {})
+        if row.get("step_s_all"):
+            _, overrides, chunk = variants[args.record]
+            record = step_record(row["step_s_all"], row["phases_s"], args.device, args.commit, args.overrides + overrides, chunk)
+            with open(args.record_json, "w") as f:
+                json.dump(record, f, indent=1)
         return summary
 
     order = list(variants)
@@ -139,12 +145,6 @@ def main() -> None:
         print(f"{name}: median {row.get('median_step_s', float('nan')):.2f} s over {len(row['step_s_all'])} steps "
               f"(min {min(row['step_s_all'], default=float('nan')):.2f}, max {max(row['step_s_all'], default=float('nan')):.2f}), "
               f"peak {row.get('peak_memory_gb', float('nan')):.1f} GB", flush=True)  # fmt: skip
-    if args.record:
-        row = summary[args.record]
-        record = step_record(row["step_s_all"], row["phases_s"], args.device, args.commit,
-                             args.overrides + variants[args.record][1], variants[args.record][2])  # fmt: skip
-        with open(args.record_json, "w") as f:
-            json.dump(record, f, indent=1)
     if args.profile:
         use(trainer, base_overrides, variants[args.profile])
         metrics, events = profile_step(trainer, args.device, warmup=0)
