@@ -8,7 +8,7 @@
 set -u
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the device's pip install -e . left refppo unimportable
 start=$SECONDS
 pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.txt" 2>&1
 {

@@ -117,6 +117,8 @@ def top_operators(events, device: str, n: int) -> list[tuple[str, float, int]]:
     """The ``n`` operators with the most work over the whole profile: (name, seconds, calls)."""
     work, calls = defaultdict(float), defaultdict(int)
     for e, seconds in operators(events, device):
+        if kind(e.name, False) is None:  # not an operator: a range, or CUDA's "Command Buffer Full" stall
+            continue
         work[e.name] += seconds
         calls[e.name] += 1
     return [(name, work[name], calls[name]) for name in sorted(work, key=work.get, reverse=True)[:n]]
