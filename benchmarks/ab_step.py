@@ -4,7 +4,7 @@ trainer, so a lent GPU pays the decoder's compilation once, not once per variant
 Each variant is a name and the overrides it adds to the workload's; only settings the trainer
 reads at every step may differ between variants (micro-batch sizes and token budgets,
 ``actor.use_torch_compile``, ``model.use_fused_kernels``), plus ``chunk_elements=N``: the
-log-softmax's blocks (rows x vocab elements, ``refppo.functional._CHUNK_ELEMENTS``). Every
+log-softmax's blocks (rows x vocab elements, ``refppo.accel.logprobs.CHUNK_ELEMENTS``). Every
 variant gets one warm-up step (its compilation), then ``--rounds`` rounds of one step each, the
 variants in turn (reversed every other round). The weights train on, which does not change a
 fixed-length step's work (``rollout.ignore_eos``). The JSON is rewritten after every step, so a
@@ -29,7 +29,8 @@ import torch
 from bench_args import positive_int
 from bench_ppo_step import WORKLOADS, benchmark_config, build, step_record, workload_overrides
 from profile_step import phase_table, profile_step, render, top_operators
-from refppo import functional
+from refppo import accel
+from refppo.accel import logprobs
 
 # Settings the trainer reads at every step (the others are fixed when it is built).
 PER_STEP = ("micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz", "actor.use_torch_compile",
@@ -57,12 +58,11 @@ def use(trainer, base_overrides: list[str], variant) -> None:
     """Switch ``trainer`` to ``variant`` (name, overrides, chunk elements)."""
     _, overrides, chunk = variant
     trainer.config = benchmark_config(base_overrides + overrides)
-    trainer.compiled = trainer.config.actor.use_torch_compile
-    trainer.fused = trainer.config.model.use_fused_kernels
-    functional._CHUNK_ELEMENTS = chunk or DEFAULT_CHUNK
+    logprobs.CHUNK_ELEMENTS.update(DEFAULT_CHUNK if chunk is None else dict.fromkeys(DEFAULT_CHUNK, chunk))
+    trainer.accel = accel.select(trainer.config, trainer.device)
 
 
-DEFAULT_CHUNK = functional._CHUNK_ELEMENTS
+DEFAULT_CHUNK = dict(logprobs.CHUNK_ELEMENTS)
 
 
 def timed_step(trainer, device: str) -> tuple[float, dict]:

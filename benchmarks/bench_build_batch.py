@@ -1,4 +1,4 @@
-"""Texts to a rollout-layout batch: ``refppo.rollout.build_batch`` (the batch tokenized in one call,
+"""Texts to a rollout-layout batch: ``refppo.prompts.build_batch`` (the batch tokenized in one call,
 one tensor per field) vs the same batch built a text and a row at a time, side by side in one run.
 
 SFT and the reward model build one such batch every step (64 demonstrations; 2 x 64 texts of
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from refppo.rollout import _sequence_batch, build_batch
+from refppo.prompts import build_batch, sequence_batch
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
@@ -31,7 +31,7 @@ def build_batch_per_text(tokenizer, prompts, responses):
             ids[i, cols] = torch.as_tensor(seq, dtype=torch.long)
             mask[i, cols] = 1
         fields += [ids, mask]
-    return _sequence_batch(*fields)
+    return sequence_batch(*fields)
 
 
 def main() -> None:

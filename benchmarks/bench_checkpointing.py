@@ -20,8 +20,10 @@ from bench_args import positive_int
 from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result)
 from bench_ppo_step import WORKLOADS, workload_model
 from refppo.memory import PeakMeter, activation_bytes
-from refppo.models import enable_gradient_checkpointing, load_causal_lm
-from refppo.rollout import _sequence_batch, response_log_probs
+from refppo.accel.checkpointing import enable_gradient_checkpointing
+from refppo.forward import response_log_probs
+from refppo.models import load_causal_lm
+from refppo.prompts import sequence_batch
 
 
 def micro_batch(rows: int, prompt_len: int, response_len: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
@@ -31,7 +33,7 @@ def micro_batch(rows: int, prompt_len: int, response_len: int, vocab: int, devic
     prompt_mask[0, : prompt_len // 2] = 0
     prompts = torch.randint(3, vocab, (rows, prompt_len), generator=g) * prompt_mask
     responses = torch.randint(3, vocab, (rows, response_len), generator=g)
-    batch = _sequence_batch(prompts, prompt_mask, responses, torch.ones_like(responses))
+    batch = sequence_batch(prompts, prompt_mask, responses, torch.ones_like(responses))
     return {k: v.to(device) for k, v in batch.items()}
 
 

@@ -1,7 +1,7 @@
 """Generation with a Qwen2.5-0.5B-shaped model (14 query heads, 2 key/value heads; random
 weights): decoding through transformers' SDPA function vs refppo's grouped decode attention
-(``refppo.rollout.grouped_decode_attention``, what ``generate`` uses), side by side in one run,
-eagerly and with the compiled static-cache decoder (``rollout.cuda_graphs``).
+(``refppo.accel.decoding.grouped_decode_attention``, what the static-cache decoder uses), side by
+side in one run, with the static-cache decoder run eagerly and compiled (``rollout.cuda_graphs``).
 
 With a mask (always, over a static cache) and under ``torch.compile``, or with transformers before
 5.23 at any time, transformers' SDPA path copies each key/value head to its 7 query heads over the
@@ -24,7 +24,8 @@ import torch
 from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, result)
 from bench_ppo_step import QWEN_05B, word_tokenizer
 
-from refppo import rollout
+from refppo.accel import decoding
+from refppo.generation import generate as sample
 from refppo.models import load_causal_lm, tiny_config
 
 SIDES = ("transformers' SDPA", "grouped")
@@ -39,16 +40,16 @@ def qwen_shaped_actor(layers: int, max_len: int, device: str):
     return load_causal_lm(tiny_config(tok, arch, **spec), device=device), tok
 
 
-def generate(side: str, actor, tok, prompts, decoder, response: int) -> tuple[float, dict]:
+def generate(side: str, tok, prompts, decoder, response: int) -> tuple[float, dict]:
     """Greedy fixed-length generation on one side; (seconds, batch)."""
-    attention = rollout.decode_attention if side == "grouped" else (lambda model: contextlib.nullcontext())
-    with mock.patch.object(rollout, "decode_attention", attention):
+    attention = decoding.decode_attention if side == "grouped" else (lambda model: contextlib.nullcontext())
+    with mock.patch.object(decoding, "decode_attention", attention):
         return timed(
-            lambda: rollout.generate(
-                actor, prompts, torch.ones_like(prompts), tok.eos_token_id, tok.pad_token_id, response,
-                do_sample=False, ignore_eos=True, decoder=decoder,
+            lambda: sample(
+                decoder, prompts, torch.ones_like(prompts), tok.eos_token_id, tok.pad_token_id, response,
+                do_sample=False, ignore_eos=True,
             ),
-            actor.device.type, 1,
+            decoder.device.type, 1,
         )  # fmt: skip
 
 
@@ -75,14 +76,14 @@ def main() -> None:
           f"prompt={a.prompt} response={a.response} layers={a.layers}; seconds per generate, median of "
           f"{a.rounds} alternating rounds after a warm-up (which compiles)")  # fmt: skip
     for mode in modes:
-        decoder = rollout.StaticDecoder(actor, compile=mode == "compiled")
-        batches = {side: generate(side, actor, tok, prompts, decoder, a.response)[1] for side in SIDES}
+        decoder = decoding.StaticDecoder(actor, a.prompt + a.response, compile=mode == "compiled")
+        batches = {side: generate(side, tok, prompts, decoder, a.response)[1] for side in SIDES}
         same = (batches[SIDES[0]]["responses"] == batches[SIDES[1]]["responses"]).all(dim=1).float().mean().item()
         assert same >= 0.9, f"{mode}: only {same:.0%} of greedy responses are the same on both sides"
         times = {side: [] for side in SIDES}
         for _ in range(a.rounds):
             for side in SIDES:
-                times[side].append(generate(side, actor, tok, prompts, decoder, a.response)[0])
+                times[side].append(generate(side, tok, prompts, decoder, a.response)[0])
         med = {side: statistics.median(t) for side, t in times.items()}
         for side in SIDES:
             print(f"{mode:8s} {side:18s} {med[side]:.3f} s ({min(times[side]):.3f}-{max(times[side]):.3f}), "

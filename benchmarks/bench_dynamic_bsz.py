@@ -23,7 +23,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result)
-from refppo.rollout import _sequence_batch, compute_log_probs, response_log_probs, split_micro_batches
+from refppo.accel.token_budget import TokenBudgetPasses
+from refppo.forward import ForwardPasses, response_log_probs
+from refppo.prompts import sequence_batch
 
 
 def ragged_batch(rows: int, vocab: int, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -36,15 +38,15 @@ def ragged_batch(rows: int, vocab: int, device: str, seed: int = 0) -> dict[str,
     response_mask = (torch.arange(width_r) < r_len[:, None]).long()
     prompts = torch.randint(3, vocab, (rows, width_p), generator=g) * prompt_mask
     responses = torch.randint(3, vocab, (rows, width_r), generator=g) * response_mask
-    batch = _sequence_batch(prompts, prompt_mask, responses, response_mask)
+    batch = sequence_batch(prompts, prompt_mask, responses, response_mask)
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def forward_backward(model, batch, micro, max_tokens):
+def forward_backward(model, batch, passes, micro):
     """Sum of the response log-probs over every micro-batch, backpropagated; (tokens computed, largest micro-batch)."""
     model.zero_grad(set_to_none=True)
     computed, largest = 0, 0
-    for _, mb in split_micro_batches(batch, micro, max_tokens):
+    for _, mb in passes.micro_batches(batch, micro):
         log_probs, _ = response_log_probs(model, mb)
         log_probs.sum().backward()
         size = mb["input_ids"].numel()
@@ -68,7 +70,7 @@ def main():
     model = LlamaForCausalLM(config).to(args.device)
     batch = ragged_batch(args.rows, config.vocab_size, args.device)
     budget = args.micro * batch["input_ids"].shape[1]
-    splits = {"rows": (args.micro, None), "tokens": (None, budget)}
+    splits = {"rows": (ForwardPasses(), args.micro), "tokens": (TokenBudgetPasses(max_tokens=budget), None)}
     valid = int(batch["attention_mask"].sum())
     print(f"{args.rows} rows, width {batch['input_ids'].shape[1]}, {valid} valid tokens; micro-batch {args.micro} rows "
           f"or {budget} tokens; {args.device}")
@@ -76,12 +78,12 @@ def main():
     results = {name: {"fwd_bwd": [], "log_probs": []} for name in splits}
     grads, log_probs = {}, {}
     for _ in range(args.repeats):
-        for name, (micro, max_tokens) in splits.items():
-            seconds, (computed, largest) = timed(lambda: forward_backward(model, batch, micro, max_tokens), args.device, 1)
+        for name, (passes, micro) in splits.items():
+            seconds, (computed, largest) = timed(lambda: forward_backward(model, batch, passes, micro), args.device, 1)
             results[name]["fwd_bwd"].append(seconds)
             results[name]["tokens"], results[name]["largest"] = computed, largest
             grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
-            seconds, log_probs[name] = timed(lambda: compute_log_probs(model, batch, 1.0, micro, max_tokens=max_tokens), args.device, 1)
+            seconds, log_probs[name] = timed(lambda: passes.compute_log_probs(model, batch, 1.0, micro), args.device, 1)
             results[name]["log_probs"].append(seconds)
     scale = grads["rows"].abs().max()
     grad_diff = float((grads["rows"] - grads["tokens"]).abs().max() / scale)

@@ -19,13 +19,13 @@ import torch
 
 from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, result)
 from bench_logprobs import draw_inputs
-from refppo.functional import logprobs_from_hidden, logprobs_from_logits
+from refppo.accel.logprobs import chunked_logprobs, fused_logprobs
 
 
 def step(inputs, labels, weights, entropy_in_loss: bool, hidden: bool):
     """One forward + backward of sum(w * log p) (+ 0 * sum(entropy)); returns the input gradients."""
     x = [t.detach().requires_grad_() for t in inputs]
-    fn = logprobs_from_hidden if hidden else logprobs_from_logits
+    fn = fused_logprobs if hidden else chunked_logprobs
     logp, ent = fn(*x, labels, calculate_entropy=True)
     loss = (weights * logp).sum()
     if entropy_in_loss:

@@ -5,7 +5,7 @@ Goal (issue 2): at 4096 tokens x 32000 vocab, the chunked version's peak extra m
 
 With ``--hidden H`` the inputs are final hidden states (tokens, H) and an LM head (vocab, H)
 instead, and the two variants are refppo's two paths (issue 15, ``model.use_fused_kernels``):
-``head`` = the head's logits, then the chunked log-softmax; ``fused`` = ``logprobs_from_hidden``,
+``head`` = the head's logits, then the chunked log-softmax; ``fused`` = ``fused_logprobs``,
 which never holds the logits.
 
 ``--pair A,B`` picks the two variants: also ``compiled`` (the chunked log-softmax with
@@ -33,7 +33,7 @@ import time
 import torch
 
 from bench_args import positive_int
-from refppo.functional import logprobs_from_hidden, logprobs_from_logits
+from refppo.accel.logprobs import chunked_logprobs, fused_logprobs
 
 
 def naive(logits, labels):
@@ -49,24 +49,24 @@ def rows_per_chunk(vocab):
 
 
 def chunked(logits, labels):
-    return logprobs_from_logits(logits, labels, chunk_size=rows_per_chunk(logits.shape[-1]))
+    return chunked_logprobs(logits, labels, chunk_size=rows_per_chunk(logits.shape[-1]))[0]
 
 
 def head(hidden, weight, labels):
     """The LM head, then the chunked log-softmax: refppo without model.use_fused_kernels."""
-    return logprobs_from_logits(hidden @ weight.T, labels, chunk_size=rows_per_chunk(weight.shape[0]))
+    return chunked_logprobs(hidden @ weight.T, labels, chunk_size=rows_per_chunk(weight.shape[0]))[0]
 
 
 def fused(hidden, weight, labels):
-    return logprobs_from_hidden(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]))
+    return fused_logprobs(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]))[0]
 
 
 def compiled(logits, labels):
-    return logprobs_from_logits(logits, labels, chunk_size=rows_per_chunk(logits.shape[-1]), compiled=True)
+    return chunked_logprobs(logits, labels, chunk_size=rows_per_chunk(logits.shape[-1]), compiled=True)[0]
 
 
 def fused_compiled(hidden, weight, labels):
-    return logprobs_from_hidden(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]), compiled=True)
+    return fused_logprobs(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]), compiled=True)[0]
 
 
 VARIANTS = {"naive": naive, "chunked": chunked, "head": head, "fused": fused, "compiled": compiled, "fused_compiled": fused_compiled}

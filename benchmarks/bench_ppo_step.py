@@ -22,7 +22,8 @@ side's median over all its timed steps and ``speedup`` = the second side's media
 (TRL's / refppo's by default). ``--impls refppo+,refppo --plus "k=v ..."`` sets refppo against
 itself with the ``--plus`` overrides on one side (``refppo+``), e.g. to measure an option;
 ``--chunk-elements N`` gives that side another log-softmax block size (rows x vocab elements,
-``refppo.functional._CHUNK_ELEMENTS``), with or without ``--plus``. ``--cpu-bf16`` runs both
+``refppo.accel.logprobs.CHUNK_ELEMENTS``; it matters where the log-softmax runs in blocks: on CUDA,
+or with ``actor.use_torch_compile`` or ``model.use_fused_kernels``), with or without ``--plus``. ``--cpu-bf16`` runs both
 sides' whole steps under the CPU's bf16 autocast (weights and optimisers float32), as both run on
 CUDA: whether a CPU with bf16 matrix instructions changes the comparison.
 
@@ -69,7 +70,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from bench_args import positive_int
-from refppo import functional
+from refppo.accel import logprobs
 from refppo.config import Config, apply_overrides, validate
 from refppo.models import freeze, load_causal_lm, load_value_model, make_reference, tiny_config
 from refppo.trainer import PPOTrainer
@@ -288,7 +289,7 @@ def step_record(
     return {
         "median_step_s": statistics.median(steps_s), "steps": steps_s, "phases_s": phases_s,
         **device_info(device), "commit": commit, "date": time.strftime("%Y-%m-%d"),
-        "overrides": overrides, "chunk_elements": chunk_elements or functional._CHUNK_ELEMENTS,
+        "overrides": overrides, "chunk_elements": chunk_elements or logprobs.CHUNK_ELEMENTS[device],
     }  # fmt: skip
 
 
@@ -296,7 +297,7 @@ def set_chunk_elements(n: int | None) -> None:
     """Blocks of ``n`` elements (rows x vocab) for every log-softmax of refppo in this process;
     None keeps refppo's default."""
     if n is not None:
-        functional._CHUNK_ELEMENTS = n
+        logprobs.CHUNK_ELEMENTS.update(dict.fromkeys(logprobs.CHUNK_ELEMENTS, n))
 
 
 def worker(
@@ -318,7 +319,7 @@ def worker(
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "impl": impl, "workload": name, "device": device, "overrides": [] if impl == "trl" else list(extra),
-        "chunk_elements": None if impl == "trl" else functional._CHUNK_ELEMENTS, "cpu_bf16": cpu_bf16, **r, "step_s": step,
+        "chunk_elements": None if impl == "trl" else logprobs.CHUNK_ELEMENTS[device], "cpu_bf16": cpu_bf16, **r, "step_s": step,
         "tokens_per_s": w["prompts"] * (w["prompt_len"] + w["response_len"]) / step,
         "generated_tokens_per_s": w["prompts"] * w["response_len"] / r["phases_s"]["gen"] if "gen" in r["phases_s"] else None,
         "peak_memory_gb": peak / 2**30,

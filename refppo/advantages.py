@@ -5,7 +5,6 @@ All tensors are response-only, shape ``(batch, response_len)``; see design secti
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -28,38 +27,6 @@ def needs_critic(adv_estimator: str) -> bool:
     return ADV_ESTIMATORS.takes(adv_estimator, "values")
 
 
-def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:
-    """y_t = x_t + discount * y_{t+1} (y_T = 0) for every t: returns-to-go, GAE's sum.
-
-    Computed as block matrix products instead of a loop over t: inside blocks of k positions
-    y = x @ M^T with M[i, j] = discount^(j - i) (j >= i), then each block adds the carry from
-    the blocks after it. Only powers <= 1 appear (no division), so discount = 0 is exact.
-
-    Args:
-        x: (batch, T) tensor.
-        discount: scalar in [0, 1].
-
-    Returns:
-        (batch, T) tensor of the same dtype.
-    """
-    rows, length = x.shape
-    discount = torch.as_tensor(discount, dtype=x.dtype, device=x.device)  # a float or a 0-dim tensor
-    k = max(1, math.isqrt(length))
-    n_blocks = -(-length // k)
-    xb = torch.nn.functional.pad(x, (0, n_blocks * k - length)).view(rows, n_blocks, k)
-    steps = torch.arange(k, device=x.device)
-    gap = (steps[None, :] - steps[:, None]).to(x.dtype)  # gap[i, j] = j - i
-    inner = torch.where(gap >= 0, torch.pow(discount, gap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device))
-    local = xb @ inner.T  # (rows, n_blocks, k): sums inside each block
-    blocks = torch.arange(n_blocks, device=x.device)
-    bgap = (blocks[None, :] - blocks[:, None]).to(x.dtype)
-    outer = torch.where(bgap >= 0, torch.pow(discount, k * bgap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device))
-    heads = local[..., 0] @ outer.T  # (rows, n_blocks): y at the first position of each block
-    carry = torch.nn.functional.pad(heads[:, 1:], (0, 1))  # y at the start of the next block
-    y = local + carry[..., None] * torch.pow(discount, (k - steps).to(x.dtype))
-    return y.reshape(rows, n_blocks * k)[:, :length]
-
-
 def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
     dtype = torch.float32
     for t in tensors:
@@ -76,7 +43,8 @@ def compute_gae_advantage_return(
     gamma: float | torch.Tensor,
     lam: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2015), equal to verl's reverse loop.
+    """Generalised advantage estimation (Schulman et al. 2015): verl's reverse loop over tokens,
+    every row at once.
 
     delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where
     "t+1" is the next position with mask 1. A position with mask 0 inside a response (a tool
@@ -98,6 +66,23 @@ def compute_gae_advantage_return(
         advantages: (batch, T) whitened over the mask.
         returns: (batch, T) raw advantages + values, the critic's targets.
     """
+    r, v, m = checked_gae_inputs(token_level_rewards, values, response_mask, gamma, lam)
+    next_value, last_gae, reversed_advantages = 0.0, 0.0, []
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        gae = delta + gamma * lam * last_gae
+        # a masked token is skipped: it passes the next value and advantage back unchanged
+        next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last_gae = gae * m[:, t] + (1 - m[:, t]) * last_gae
+        reversed_advantages.append(last_gae)
+    advantages = torch.stack(reversed_advantages[::-1], dim=1)
+    returns = advantages + v
+    return masked_whiten(advantages, m), returns
+
+
+def checked_gae_inputs(token_level_rewards, values, response_mask, gamma, lam) -> tuple[torch.Tensor, ...]:
+    """GAE's inputs checked (shapes, 0/1 mask, finite values at least 2 valid tokens, gamma and
+    lam in [0, 1]) and in one float dtype: float32, or wider if an input is."""
     check_ndim("token_level_rewards", token_level_rewards, 2)
     check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
     check_unit_interval("gamma", gamma)
@@ -108,21 +93,7 @@ def compute_gae_advantage_return(
         min_valid=("response_mask", response_mask, 2),  # the whitening's unbiased variance
     )
     dtype = _work_dtype(token_level_rewards, values)
-    r, v, m = token_level_rewards.to(dtype), values.to(dtype), response_mask.to(dtype)
-    rows, length = r.shape
-    # 1. Pack each row's valid tokens to the front; column `length` collects the masked ones.
-    before = (torch.cumsum(m, dim=-1) - m).long()  # valid tokens before t = packed index of the next one
-    slot = torch.where(m.bool(), before, length)
-    packed_r = r.new_zeros(rows, length + 1).scatter_(1, slot, r)[:, :length]
-    packed_v = v.new_zeros(rows, length + 1).scatter_(1, slot, v)[:, :length]
-    # 2. In packed order "next valid token" is just t + 1, and zeros follow the last one.
-    next_v = torch.nn.functional.pad(packed_v[:, 1:], (0, 1))
-    delta = packed_r + gamma * next_v - packed_v
-    packed_adv = torch.nn.functional.pad(discounted_reverse_cumsum(delta, gamma * lam), (0, 1))
-    # 3. Every position reads the advantage of the next valid token at or after it.
-    advantages = packed_adv.gather(1, before)
-    returns = advantages + v
-    return masked_whiten(advantages, m), returns
+    return token_level_rewards.to(dtype), values.to(dtype), response_mask.to(dtype)
 
 
 def _group_ids(index: Sequence | torch.Tensor, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:

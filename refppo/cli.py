@@ -12,11 +12,8 @@ the merged model, and ``<run>/actor_adapter`` holds the adapter alone). Examples
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,11 +25,9 @@ from refppo.config import (
     leaf_keys, validate,
 )  # fmt: skip
 from refppo.data import sft_examples, task_data
-from refppo.models import (
-    add_lora, check_fused_kernels, enable_gradient_checkpointing, freeze, load_causal_lm, load_value_model,
-    prepare_tokenizer, tiny_config,
-)  # fmt: skip
-from refppo.rollout import tokenize_prompts
+from refppo.device import resolve_device
+from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
+from refppo.prompts import tokenize_prompts
 from refppo.runs import RunFolder, check_free, check_resume, summary
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
@@ -119,15 +114,6 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
         raise ValueError(f"refppo {command} does not read {key} ({why}): drop it")
 
 
-def _device(config: Config) -> torch.device:
-    name = config.trainer.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is available")
-    return torch.device(name)
-
-
 def load_tokenizer(path: str | None):
     """The tokenizer saved beside a model, or the offline tasks' character tokenizer."""
     if path is not None and os.path.exists(os.path.join(path, "tokenizer_config.json")):
@@ -166,6 +152,9 @@ def run_sft(config: Config, make_run) -> None:
     """``refppo sft``: train the policy on the task's demonstrations (a tiny model from
     ``model.arch`` and its sizes, or ``model.path``); ``make_run()`` creates the run folder, called
     only after every check has passed."""
+    from refppo.accel import select
+    from refppo.accel.checkpointing import enable_gradient_checkpointing
+    from refppo.accel.logprobs import check_fused_kernels
     from refppo.sft import train_sft
 
     tokenizer = load_tokenizer(config.model.path)
@@ -174,8 +163,9 @@ def run_sft(config: Config, make_run) -> None:
         tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
     )
     torch.manual_seed(config.trainer.seed)
-    model = load_causal_lm(source, tokenizer, _device(config))
-    if m.use_fused_kernels:  # refused before the run folder exists (train_sft would, after)
+    device = resolve_device(config.trainer.device)
+    model = load_causal_lm(source, tokenizer, device)
+    if m.use_fused_kernels:
         check_fused_kernels(model, "SFT model")
     if m.enable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -183,7 +173,7 @@ def run_sft(config: Config, make_run) -> None:
     run = make_run()
     train_sft(
         model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log, config.trainer.progress_bar,
-        fused=m.use_fused_kernels,
+        log_probs_fn=select(config, device).actor.log_probs,
     )  # fmt: skip
     _save_model(model, tokenizer, run.path / "model")
 
@@ -191,6 +181,7 @@ def run_sft(config: Config, make_run) -> None:
 def run_rm(config: Config, make_run) -> None:
     """``refppo rm``: a reward model from the SFT model (``model.path``) on synthetic comparisons
     (``data.task=preference``); ``make_run()`` as in :func:`run_sft`."""
+    from refppo.accel.checkpointing import enable_gradient_checkpointing
     from refppo.reward_model import center_reward_model, train_reward_model
 
     if config.data.task != "preference":
@@ -199,7 +190,7 @@ def run_rm(config: Config, make_run) -> None:
         raise ValueError("refppo rm starts from the SFT model: set model.path=<sft run>/model")
     tokenizer = load_tokenizer(config.model.path)
     torch.manual_seed(config.trainer.seed)
-    rm = load_value_model(config.model.path, tokenizer, _device(config))
+    rm = load_value_model(config.model.path, tokenizer, resolve_device(config.trainer.device))
     if config.model.enable_gradient_checkpointing:
         enable_gradient_checkpointing(rm)
     r = config.rm
@@ -220,7 +211,7 @@ def run_ppo(config: Config, make_run) -> None:
 
     if config.model.path is None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
-    device = _device(config)
+    device = resolve_device(config.trainer.device)
     tokenizer = load_tokenizer(config.model.path)
     train, val, task_reward = task_data(config, tokenizer)
     torch.manual_seed(config.trainer.seed)
@@ -355,51 +346,6 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, folder)
     print(summary(out))
     return 0
-
-
-def _source_digest() -> str:
-    """A hash of refppo's own source files: a cached run is stale once the package changes."""
-    root = Path(__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
-
-
-def cached_run(command: str, overrides: list[str], cache_dir: str | os.PathLike | None = None) -> Path:
-    """Run ``refppo <command> <overrides>`` once; later calls return the finished run folder.
-
-    The folder's name hashes the command, its resolved config and refppo's source, so a changed
-    setting or a changed package runs again. The run is written to a temporary folder that is
-    renamed into place only when it has finished, so an interrupted run is never reused. This is
-    how the chapters reuse the checkpoints they train (design section 5).
-
-    Args:
-        command: "sft", "rm" or "ppo".
-        overrides: dotted ``key=value`` settings (``trainer.output_dir`` is chosen here).
-        cache_dir: where runs are kept; default ``$REFPPO_CACHE`` or ``~/.cache/refppo``.
-
-    Returns:
-        The run folder (``<folder>/model`` or ``<folder>/actor`` holds the trained model).
-    """
-    if command not in COMMANDS:
-        raise ValueError(f"unknown command {command!r}; valid: {', '.join(COMMANDS)}")
-    config = validate(apply_overrides(Config(), [*overrides, "trainer.output_dir=-", "trainer.progress_bar=false"]))
-    spec = json.dumps({"command": command, "config": config_to_dict(config), "source": _source_digest()}, sort_keys=True)
-    root = Path(cache_dir or os.environ.get("REFPPO_CACHE") or Path.home() / ".cache" / "refppo")
-    final = root / f"{command}-{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
-    if final.is_dir():
-        return final
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
-    main([command, *overrides, f"trainer.output_dir={tmp}", "trainer.progress_bar=false"])
-    try:
-        os.replace(tmp, final)
-    except OSError:  # another process finished the same run first: keep its folder
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
 
 if __name__ == "__main__":
     raise SystemExit(entry())

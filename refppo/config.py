@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.kl import KL_CONTROLLER_TYPES, kl_penalty_types
 from refppo.losses import LOSS_AGG_MODES, POLICY_LOSSES
-from refppo.rollout import TRUNCATION_MODES
+from refppo.prompts import TRUNCATION_MODES
 
 TASKS = ("arithmetic", "preference", "file")
 POLICY_MODES = ("decoupled", "bypass", "rollout_correction")
@@ -108,10 +108,10 @@ class ActorConfig:
     # The update also computes the entropy without a coefficient (actor/entropy_loss); verl's name.
     calculate_entropy: bool = False
     grad_clip: float = 1.0
-    # Every log-prob pass of the run (sampling, old, reference, update) reduces its logits with
-    # kernels made by torch.compile, one fused kernel per block instead of several float32 passes
-    # (verl's name; its default is true). The first steps compile them, once per process.
-    use_torch_compile: bool = False
+    # The log-prob passes (old, reference, update) reduce their logits with kernels made by
+    # torch.compile, one per block instead of several float32 passes (verl's name). null: on with
+    # CUDA, off on a CPU. The first steps compile them, once per process.
+    use_torch_compile: bool | None = None
 
 
 @dataclass
@@ -124,7 +124,7 @@ class RolloutConfig:
     top_p: float = 1.0
     n: int = 1  # responses per prompt (GRPO / RLOO groups)
     ignore_eos: bool = False  # every response runs to data.max_response_length (benchmarks)
-    cuda_graphs: bool = False  # CUDA only: decode over a static KV cache replayed as CUDA graphs
+    cuda_graphs: bool | None = None  # decode over a static KV cache replayed as CUDA graphs; null: on with CUDA
     log_prob_micro_batch_size_per_gpu: int | None = None
 
 
@@ -453,13 +453,6 @@ def critic_setting(config: Config, name: str):
     (still None when both are: the trainer then divides by ``data.max_response_length``)."""
     value = getattr(config.critic, name)
     return getattr(config.actor, name) if value is None else value
-
-
-def token_budget(role) -> int | None:
-    """A role's micro-batch token budget (``ppo_max_token_len_per_gpu``) with
-    ``use_dynamic_bsz``, else None (micro-batches count rows). ``role``: an ActorConfig or
-    CriticConfig."""
-    return role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None
 
 
 # The policy loss's and the advantage estimator's own settings: read only by the functions that

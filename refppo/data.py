@@ -9,7 +9,7 @@ import os
 import torch
 
 from refppo.config import Config
-from refppo.rollout import encode_prompts, prompt_problem
+from refppo.prompts import encode_prompts, prompt_problem
 from refppo.tasks import arithmetic, preference
 
 
@@ -58,7 +58,7 @@ class EpochSampler:
 def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None) -> list[dict]:
     """Prompt records from a JSONL or Parquet file; each needs a ``prompt_key`` that holds a text,
     or a chat (a list of ``{"role", "content"}`` messages, as in verl's datasets) that the
-    trainer renders with the tokenizer's chat template (:func:`refppo.rollout.encode_prompts`).
+    trainer renders with the tokenizer's chat template (:func:`refppo.prompts.encode_prompts`).
 
     Every problem is found here, before any training, and named by file and line (row for
     Parquet): a missing file or a folder, bytes that are not UTF-8, a line that is not JSON, a

@@ -162,7 +162,7 @@ def load_causal_lm(
         tokenizer: if given, the embeddings grow to ``len(tokenizer)`` when it is larger.
         device: where the weights live.
         dtype: weight dtype; float32 for trained models (on CUDA, forward passes autocast to
-            bf16, see :func:`refppo.rollout.autocast`), bf16 is fine for a frozen reference on CUDA.
+            bf16, see :func:`refppo.device.autocast`), bf16 is fine for a frozen reference on CUDA.
 
     Returns:
         A ``PreTrainedModel`` whose forward gives logits (batch, seq, vocab).
@@ -261,35 +261,6 @@ def add_lora(model: PreTrainedModel, r: int = 8, lora_alpha: int = 16, target_mo
     return get_peft_model(model, config)
 
 
-def enable_gradient_checkpointing(model, setting: str = "model.enable_gradient_checkpointing") -> None:
-    """Activation checkpointing (verl's ``enable_gradient_checkpointing``): in training mode each
-    decoder layer keeps only its input, and the backward pass recomputes the layer's forward from
-    it, one layer at a time. The gradients are unchanged (bit for bit on a CPU); the activations
-    shrink to the layers' inputs plus one layer's (:func:`refppo.memory.activation_bytes` with
-    ``checkpointing=True``), for one more forward pass of the decoder in every update. Passes in
-    eval mode (sampling, old log-probs, reference, values, scores) are unaffected.
-
-    Args:
-        model: a causal LM, a LoRA actor or a scalar-head model (critic, reward model); changed
-            in place.
-        setting: the config key that asks for it, named in the error.
-    """
-    from refppo.rollout import trainable_attention
-
-    base = _base_model(model)
-    if not getattr(base, "supports_gradient_checkpointing", False):
-        raise ValueError(
-            f"{setting}=true, but {type(base).__name__} does not support activation checkpointing: set {setting}=false"
-        )
-    # Non-reentrant, as verl's; the recomputation runs in the backward pass, outside
-    # trainable_forward, so it leaves cuDNN's attention out itself (autocast torch restores).
-    kwargs = {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), trainable_attention())}
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.24's name
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 class LoraDisabledReference:
     """The reference policy of a LoRA actor: the actor itself with its adapter switched off.
 
@@ -309,54 +280,11 @@ class LoraDisabledReference:
         return self.actor.device
 
 
-# Model types whose logits are exactly a bias-free LM head applied to the final hidden states
-# (no soft-capping or scaling after it), the condition for computing log-probs from the latter.
-FUSED_KERNEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def _base_model(model):
+def base_model(model):
     """The Hugging Face model under a LoRA adapter or an adapter-disabled reference (or the model)."""
     if isinstance(model, LoraDisabledReference):
         model = model.actor
     return model.get_base_model() if is_lora(model) else model
-
-
-def check_fused_kernels(model, role: str = "actor") -> None:
-    """Refuse ``model.use_fused_kernels`` for a model whose logits are not its bias-free LM
-    head applied to the final hidden states (e.g. Gemma 2 soft-caps them, Cohere scales them):
-    log-probs computed from the hidden states would silently differ.
-
-    Args:
-        model: a causal LM, LoRA actor or reference (``make_reference``).
-        role: its name in the error.
-    """
-    lm = _base_model(model)
-    model_type = getattr(lm.config, "model_type", None)
-    head = lm.get_output_embeddings()
-    if model_type not in FUSED_KERNEL_MODEL_TYPES or not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        raise ValueError(
-            f"model.use_fused_kernels=true computes log-probs from the final hidden states and the LM head's weight, "
-            f"which is exact for model types {', '.join(FUSED_KERNEL_MODEL_TYPES)}; the {role} is {model_type!r} "
-            f"({type(lm).__name__}): set model.use_fused_kernels=false"
-        )
-
-
-def final_hidden_states(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder's output without the LM head: what ``model(**inputs).logits`` is computed from.
-
-    Args:
-        model: a causal LM, LoRA actor or adapter-disabled reference.
-        **inputs: ``input_ids`` (B, T) and the other keyword inputs of a forward pass.
-
-    Returns:
-        (hidden (B, T, H) after the final norm, the LM head's weight (vocab, H)); the logits
-        are ``hidden @ weight.T`` for the model types in ``FUSED_KERNEL_MODEL_TYPES``.
-    """
-    if isinstance(model, LoraDisabledReference):
-        with model.actor.disable_adapter():
-            return final_hidden_states(model.actor, **inputs)
-    hidden = model.get_decoder()(**inputs).last_hidden_state
-    return hidden, model.get_output_embeddings().weight
 
 
 def is_lora(model) -> bool:

@@ -1,12 +1,10 @@
-"""Optimisation: AdamW with a warm-up and an optional cosine schedule, one per trained model, and
-the plain training loop of SFT and the reward model."""
+"""Optimisation: AdamW with a warm-up and an optional cosine schedule, one per trained model."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from tqdm.auto import tqdm
 
 from refppo.config import OptimConfig
 
@@ -38,42 +36,3 @@ def make_optimizer(params, optim: OptimConfig, total_steps: int):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def train_steps(
-    model, optimizer, sampler, steps: int, step_loss, schedule=None, log=None, progress_bar=False, desc="train", shown=None
-) -> list[dict[str, float]]:
-    """``steps`` optimiser steps (SFT, the reward model): each draws ``sampler.next_batch()``,
-    computes ``step_loss(batch) -> (loss, metrics)``, clips the gradient norm at 1 and steps the
-    optimiser, then ``schedule``.
-
-    Args:
-        model: the model trained (train mode during the loop, eval after).
-        optimizer, schedule: the optimiser and an optional LR scheduler.
-        sampler: a ``refppo.data.EpochSampler``.
-        steps: how many steps.
-        step_loss: batch -> (scalar loss, {name: scalar}).
-        log: optional ``log(step, metrics)`` called every step.
-        progress_bar, desc, shown: a tqdm bar named ``desc`` showing ``{label: (metric, format)}``.
-
-    Returns:
-        Per-step metrics as floats.
-    """
-    history = []
-    model.train()
-    bar = tqdm(range(1, steps + 1), desc=desc, disable=not progress_bar)
-    for step in bar:
-        loss, metrics = step_loss(sampler.next_batch())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        metrics = {k: float(v) for k, v in metrics.items()}
-        if schedule is not None:
-            schedule.step()
-        history.append(metrics)
-        if log is not None:
-            log(step, metrics)
-        bar.set_postfix({label: f"{metrics[key]:{fmt}}" for label, (key, fmt) in (shown or {}).items()})
-    model.eval()
-    return history

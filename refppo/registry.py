@@ -59,13 +59,24 @@ class Registry:
         return input_name in _parameters(self.get(name))
 
     def call(self, name: str, **offered: Any) -> Any:
-        """Call the function registered as ``name`` with the offered inputs it declares.
+        """Call the function registered as ``name`` with the offered inputs it declares
+        (:func:`call_declared`)."""
+        return call_declared(self.get(name), f"{self.kind} {name!r}", offered)
 
-        ValueError naming the inputs it requires that were not offered.
-        """
-        fn = self.get(name)
-        params = _parameters(fn)
-        missing = [p for p, v in params.items() if v.default is inspect.Parameter.empty and p not in offered]
-        if missing:
-            raise ValueError(f"{self.kind} {name!r} needs {', '.join(missing)}, which the caller does not have")
-        return fn(**{p: offered[p] for p in params if p in offered})
+
+def call_declared(fn: Callable, what: str, offered: dict[str, Any]) -> Any:
+    """Call ``fn`` with the inputs of ``offered`` its parameters name.
+
+    Args:
+        fn: a function whose parameters are all named (no ``*args`` or ``**kwargs``).
+        what: ``fn`` as an error names it, e.g. "advantage estimator 'gae'".
+        offered: every input the caller has, by name.
+
+    Raises:
+        ValueError: naming the inputs ``fn`` requires that were not offered.
+    """
+    params = _parameters(fn)
+    missing = [p for p, v in params.items() if v.default is inspect.Parameter.empty and p not in offered]
+    if missing:
+        raise ValueError(f"{what} needs {', '.join(missing)}, which the caller does not have")
+    return fn(**{p: offered[p] for p in params if p in offered})

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from refppo.data import EpochSampler
+from refppo.forward import compute_scores, response_scores
 from refppo.models import value_head
-from refppo.optim import train_steps
-from refppo.rollout import build_batch, compute_scores, response_scores
+from refppo.prompts import build_batch
+from refppo.sft import train_steps
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,33 +1,35 @@
-"""Supervised fine-tuning (ch 5): the masked next-token loss on responses only.
+"""Supervised fine-tuning (ch 5): the masked next-token loss on responses only, and the training
+loop SFT and the reward model share.
 
-The batch has the rollout layout (``refppo.rollout.build_batch``), so the loss is the negative
-mean log-prob of the response tokens (EOS included) that PPO later computes the same way.
+The batch has the rollout layout (:func:`refppo.prompts.build_batch`), so the loss is the
+negative mean log-prob of the response tokens (EOS included) that PPO later computes the same way.
 """
 
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
-from refppo.losses import agg_loss
-from refppo.models import check_fused_kernels
-from refppo.optim import train_steps
-from refppo.rollout import build_batch, response_log_probs
 from refppo.data import EpochSampler
+from refppo.forward import LogProbsFn, response_log_probs
+from refppo.losses import agg_loss
+from refppo.prompts import build_batch
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor], fused: bool = False) -> torch.Tensor:
+def sft_loss(model, batch: dict[str, torch.Tensor], log_probs_fn: LogProbsFn = response_log_probs) -> torch.Tensor:
     """Mean negative log-likelihood of the valid response tokens (prompt tokens are not trained).
 
     Args:
         model: a causal LM.
         batch: rollout-layout batch (``input_ids``, ``attention_mask``, ``position_ids``,
             ``responses``, ``response_mask``).
-        fused: from the final hidden states, without whole logits (``model.use_fused_kernels``).
+        log_probs_fn: computes the batch's log-probs as :func:`refppo.forward.response_log_probs`
+            does (``refppo.accel.select(...).actor.log_probs`` for a faster one).
 
     Returns:
         Scalar loss (token-mean over the batch).
     """
-    log_probs, _ = response_log_probs(model, batch, temperature=1.0, fused=fused)
+    log_probs, _ = log_probs_fn(model, batch, 1.0, False)
     return -agg_loss(log_probs, batch["response_mask"].to(log_probs.device), "token-mean")
 
 
@@ -41,7 +43,7 @@ def train_sft(
     seed: int = 0,
     log=None,
     progress_bar: bool = False,
-    fused: bool = False,
+    log_probs_fn: LogProbsFn = response_log_probs,
 ) -> list[dict[str, float]]:
     """Train ``model`` on (prompt, response) pairs with AdamW and a cosine schedule.
 
@@ -55,24 +57,61 @@ def train_sft(
         seed: data order.
         log: optional ``log(step, metrics)`` called every step.
         progress_bar: show a tqdm bar with the loss.
-        fused: the loss from the final hidden states (``model.use_fused_kernels``; the model
-            must pass :func:`refppo.models.check_fused_kernels`).
+        log_probs_fn: as in :func:`sft_loss`.
 
     Returns:
         Per-step metrics ``{"sft/loss", "sft/lr"}``.
     """
     if not examples:
         raise ValueError("no SFT examples")
-    if fused:
-        check_fused_kernels(model, "SFT model")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
 
     def step_loss(batch):
         prompts, responses = zip(*batch)
-        loss = sft_loss(model, build_batch(tokenizer, prompts, responses), fused)
+        loss = sft_loss(model, build_batch(tokenizer, prompts, responses), log_probs_fn)
         return loss, {"sft/loss": loss.detach(), "sft/lr": schedule.get_last_lr()[0]}
 
     sampler = EpochSampler(examples, batch_size, seed)
     shown = {"loss": ("sft/loss", ".3f")}
     return train_steps(model, optimizer, sampler, steps, step_loss, schedule, log, progress_bar, "sft", shown)
+
+
+def train_steps(
+    model, optimizer, sampler, steps: int, step_loss, schedule=None, log=None, progress_bar=False, desc="train", shown=None
+) -> list[dict[str, float]]:
+    """``steps`` optimiser steps (SFT, the reward model): each draws ``sampler.next_batch()``,
+    computes ``step_loss(batch) -> (loss, metrics)``, clips the gradient norm at 1 and steps the
+    optimiser, then ``schedule``.
+
+    Args:
+        model: the model trained (train mode during the loop, eval after).
+        optimizer, schedule: the optimiser and an optional LR scheduler.
+        sampler: a ``refppo.data.EpochSampler``.
+        steps: how many steps.
+        step_loss: batch -> (scalar loss, {name: scalar}).
+        log: optional ``log(step, metrics)`` called every step.
+        progress_bar, desc, shown: a tqdm bar named ``desc`` showing ``{label: (metric, format)}``.
+
+    Returns:
+        Per-step metrics as floats.
+    """
+    history = []
+    model.train()
+    bar = tqdm(range(1, steps + 1), desc=desc, disable=not progress_bar)
+    for step in bar:
+        loss, metrics = step_loss(sampler.next_batch())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if schedule is not None:
+            schedule.step()
+        history.append(metrics)
+        if log is not None:
+            log(step, metrics)
+        bar.set_postfix({label: f"{metrics[key]:{fmt}}" for label, (key, fmt) in (shown or {}).items()})
+    model.eval()
+    return history
+

@@ -9,7 +9,7 @@
    as textbook PPO does; verl cuts its batch in order (after reordering it by length to balance
    its GPUs), the same every epoch.
 
-The batch of a step: generate gives the keys listed in ``refppo.rollout``; evaluate adds, all
+The batch of a step: generate gives the keys listed in :mod:`refppo.prompts` and :func:`refppo.generation.generate`; evaluate adds, all
 (B, R) float32 and 0 after the response unless said:
 
 - ``ref_log_prob``: log pi_ref of each response token (when a KL uses the reference);
@@ -29,34 +29,31 @@ validation is :meth:`PPOTrainer.held_out_metrics`, not phase 2.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from refppo import accel
+from refppo.accel.checkpointing import enable_gradient_checkpointing
+from refppo.accel.logprobs import check_fused_kernels
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import check_values, value_checks
-from refppo.config import Config, critic_setting, token_budget
+from refppo.config import Config, critic_setting
 from refppo.data import EpochSampler
+from refppo.forward import compute_scores, response_values
 from refppo.functional import masked_corr, masked_max_min, masked_mean, masked_var
+from refppo.generation import generate
 from refppo.kl import get_kl_controller, kl_penalty
 from refppo.losses import POLICY_LOSSES, agg_loss, agg_loss_weight, compute_rollout_is_weights, compute_value_loss
-from refppo.models import check_fused_kernels, enable_gradient_checkpointing, make_reference
+from refppo.models import make_reference
 from refppo.optim import make_optimizer
+from refppo.prompts import tokenize_prompts
+from refppo.registry import call_declared
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
-from refppo.rollout import (
-    StaticDecoder,
-    compute_log_probs,
-    compute_scores,
-    compute_values,
-    generate,
-    response_log_probs,
-    response_values,
-    split_micro_batches,
-    tokenize_prompts,
-)
 from refppo.runs import STATE_FILE
 
 # Stats aggregated with loss_agg_mode, as the loss is: micro-batches combine like the loss.
@@ -86,6 +83,20 @@ def check_scores(scores, rows: int, source: str) -> torch.Tensor:
 def describe(fn) -> str:
     """A function's ``module:qualname``, as ``reward_model.reward_fn`` spells it."""
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+@contextlib.contextmanager
+def timer(timing: dict, name: str, device: torch.device) -> Iterator[None]:
+    """Store the block's wall time (its device work included) in ``timing["timing_s/<name>"]``;
+    in a ``torch.profiler`` trace its operators sit under a range of that name."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with torch.profiler.record_function(f"timing_s/{name}"):
+        yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timing[f"timing_s/{name}"] = time.perf_counter() - start
 
 
 class PPOTrainer:
@@ -134,16 +145,16 @@ class PPOTrainer:
         self.device = actor.device
         if c.rollout.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"rollout.cuda_graphs=true needs the actor on a CUDA device, not {self.device}")
-        self.decoder = StaticDecoder(actor) if c.rollout.cuda_graphs else None
+        # the speed paths, chosen once (refppo.accel): the same numbers as the plain ones
+        self.accel = accel.select(c, self.device)
+        self.sampling_model = self.accel.decoder(actor, c.data.max_prompt_length + c.data.max_response_length)
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
         if c.model.enable_gradient_checkpointing:  # after the reference's copy, which is never trained
             enable_gradient_checkpointing(actor)
         if self.use_critic and c.critic.model.enable_gradient_checkpointing:
             enable_gradient_checkpointing(critic, "critic.model.enable_gradient_checkpointing")
-        self.fused = c.model.use_fused_kernels
-        self.compiled = c.actor.use_torch_compile
-        if self.fused:
+        if c.model.use_fused_kernels:
             check_fused_kernels(actor)
             if self.need_ref:
                 check_fused_kernels(self.reference, "reference")
@@ -165,27 +176,15 @@ class PPOTrainer:
 
     # ---- phase 1: generate -------------------------------------------------------------
     def generate(self, records: list[dict], n: int, do_sample: bool = True) -> dict[str, torch.Tensor]:
-        """Roll out ``n`` responses for each record's prompt (see ``refppo.rollout.generate``)."""
+        """Roll out ``n`` responses for each record's prompt (:func:`refppo.generation.generate`)."""
         c = self.config
         prompts = [r[c.data.prompt_key] for r in records]
         ids, mask = tokenize_prompts(self.tokenizer, prompts, c.data.max_prompt_length, c.data.truncation)
         return generate(
-            self.actor,
-            ids,
-            mask,
-            self.tokenizer.eos_token_id,
-            self.tokenizer.pad_token_id,
-            c.data.max_response_length,
-            temperature=c.rollout.temperature,
-            top_k=c.rollout.top_k,
-            top_p=c.rollout.top_p,
-            do_sample=do_sample,
-            ignore_eos=c.rollout.ignore_eos,
-            n=n,
-            generator=self.gen,
-            decoder=self.decoder,
-            compiled=self.compiled,
-        )
+            self.sampling_model, ids, mask, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, c.data.max_response_length,
+            temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p, do_sample=do_sample,
+            ignore_eos=c.rollout.ignore_eos, n=n, generator=self.gen,
+        )  # fmt: skip
 
     def _texts(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         decode = self.tokenizer.batch_decode
@@ -228,33 +227,35 @@ class PPOTrainer:
             ``policy_mode=bypass``, as in verl 0.9) and, with KL in the reward, its estimate and
             coefficient.
         """
-        c, mask = self.config, batch["response_mask"]
+        c, mask, device = self.config, batch["response_mask"], self.device
         temp = c.rollout.temperature
-        scores, extras = self._timed(timing, "reward", self.score, batch, rows)
+        # 2a. the score of each response: a reward model or a rule
+        with timer(timing, "reward", device):
+            scores, extras = self.score(batch, rows)
         stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
+        # 2b. log pi_ref and log pi_old of the sampled tokens (bypass takes the sampler's as pi_old)
         if self.need_ref:
-            micro = c.ref.log_prob_micro_batch_size_per_gpu
-            batch["ref_log_prob"] = self._timed(
-                timing, "ref", compute_log_probs, self.reference, batch, temp, micro,
-                max_tokens=token_budget(c.actor), fused=self.fused, compiled=self.compiled,
-            )
+            with timer(timing, "ref", device):
+                micro = c.ref.log_prob_micro_batch_size_per_gpu
+                batch["ref_log_prob"] = self.accel.actor.compute_log_probs(self.reference, batch, temp, micro)
         entropy = None  # (B, R): the sampling policy's, from the old-log-prob pass (bypass runs none)
         if c.actor.policy_mode == "bypass":
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
-            micro = c.rollout.log_prob_micro_batch_size_per_gpu
-            batch["old_log_probs"], entropy = self._timed(
-                timing, "old_log_prob", compute_log_probs, self.actor, batch, temp, micro, calculate_entropy=True,
-                max_tokens=token_budget(c.actor), fused=self.fused, compiled=self.compiled,
-            )
+            with timer(timing, "old_log_prob", device):
+                micro = c.rollout.log_prob_micro_batch_size_per_gpu
+                batch["old_log_probs"], entropy = self.accel.actor.compute_log_probs(self.actor, batch, temp, micro, True)
         if c.actor.policy_mode == "rollout_correction":
             batch["rollout_is_weights"] = compute_rollout_is_weights(
                 batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor.rollout_is_threshold
             )
+        # 2c. the critic's values
         if self.use_critic:
-            micro = c.critic.ppo_micro_batch_size_per_gpu
-            batch["values"] = self._timed(timing, "values", compute_values, self.critic, batch, micro, token_budget(c.critic))
-        stats |= self._timed(timing, "adv", self._rewards_and_advantages, batch, scores)
+            with timer(timing, "values", device):
+                batch["values"] = self.accel.critic.compute_values(self.critic, batch, c.critic.ppo_micro_batch_size_per_gpu)
+        # 2d. token-level rewards (KL in the reward) and advantages
+        with timer(timing, "adv", device):
+            stats |= self._rewards_and_advantages(batch, scores)
         # The update reads these in every micro-batch: check their values here, once per step.
         finite = {k: batch[k] for k in ("old_log_probs", "ref_log_prob", "values", "advantages", "returns") if k in batch}
         if entropy is not None:
@@ -280,50 +281,56 @@ class PPOTrainer:
             )
             self.kl_ctrl.update(float(current_kl), n_steps=mask.shape[0])
             stats = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": torch.tensor(beta)}
-        batch["advantages"], batch["returns"] = ADV_ESTIMATORS.call(c.algorithm.adv_estimator, **batch, **vars(c.algorithm))
+        name = c.algorithm.adv_estimator
+        estimator = self.accel.adv_estimators.get(name) or ADV_ESTIMATORS.get(name)
+        batch["advantages"], batch["returns"] = call_declared(estimator, f"advantage estimator {name!r}", batch | vars(c.algorithm))
         return stats
 
     # ---- phase 3: update ---------------------------------------------------------------
-    def _minibatch_updates(
-        self, batch, optimizer, params, grad_clip, epochs, mini_size, micro_size, max_tokens, agg_mode, micro_loss, prefix
-    ):
-        """``epochs`` x shuffled mini-batches of ``mini_size`` prompts x micro-batches (of
-        ``micro_size`` rows, or of ``max_tokens`` tokens: :func:`refppo.rollout.split_micro_batches`);
-        returns per-mini-batch stats.
+    def _minibatch_updates(self, batch: dict[str, torch.Tensor], role: str) -> list[dict[str, torch.Tensor]]:
+        """The ``role`` model's update ("actor" or "critic"): ``ppo_epochs`` x shuffled mini-batches
+        of ``ppo_mini_batch_size`` prompts x micro-batches (of ``ppo_micro_batch_size_per_gpu``
+        rows, or of a token budget with ``use_dynamic_bsz``); returns per-mini-batch stats.
 
-        ``micro_loss(mb) -> (loss, {name: detached scalar})``. Each micro-batch's loss is
-        weighted so the accumulated gradient is the mini-batch loss's gradient exactly; the stats
-        in ``LOSS_STATS`` get the same weights (so they log the mini-batch's value in every
-        ``loss_agg_mode``), the others (token means) the micro-batch's share of valid tokens. An
-        update whose gradient norm is not finite is skipped; ``MAX_SKIPPED_UPDATES`` in a row
-        stop the run.
+        Each micro-batch's loss is weighted so the accumulated gradient is the mini-batch loss's
+        gradient exactly; the stats in ``LOSS_STATS`` get the same weights (so they log the
+        mini-batch's value in every ``loss_agg_mode``), the others (token means) the micro-batch's
+        share of valid tokens. An update whose gradient norm is not finite is skipped;
+        ``MAX_SKIPPED_UPDATES`` in a row stop the run.
         """
+        c = self.config
+        if role == "actor":
+            optimizer, params, passes, micro_loss = self.actor_opt, self.actor_params, self.accel.actor, self._actor_loss
+            epochs, mini_size, agg_mode = c.actor.ppo_epochs, c.actor.ppo_mini_batch_size, c.actor.loss_agg_mode
+        else:
+            optimizer, params, passes, micro_loss = self.critic_opt, self.critic_params, self.accel.critic, self._critic_loss
+            epochs, mini_size, agg_mode = (critic_setting(c, k) for k in ("ppo_epochs", "ppo_mini_batch_size", "loss_agg_mode"))
+        role_config = getattr(c, role)
         rows = batch["response_mask"].shape[0]
-        mini_rows = mini_size * self.config.rollout.n
         per_mini = []
         with value_checks(False):  # evaluate checked the batch once; no host sync per micro-batch
             for _ in range(epochs):
                 order = torch.randperm(rows, generator=self.shuffle_gen).to(self.device)
-                for idx in order.split(mini_rows):
+                for idx in order.split(mini_size * c.rollout.n):
                     mini = {k: v[idx] for k, v in batch.items()}
                     optimizer.zero_grad(set_to_none=True)
                     stats: dict[str, torch.Tensor] = {}
-                    for _, mb in split_micro_batches(mini, micro_size, max_tokens):
+                    for _, mb in passes.micro_batches(mini, role_config.ppo_micro_batch_size_per_gpu):
                         loss, micro_stats = micro_loss(mb)
                         weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)
                         (loss * weight).backward()
                         share = mb["response_mask"].sum() / mini["response_mask"].sum()
                         for k, v in micro_stats.items():
                             stats[k] = stats.get(k, 0.0) + (weight if k in LOSS_STATS else share) * v
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, role_config.grad_clip)
                     finite = bool(torch.isfinite(grad_norm))
                     if finite:
                         optimizer.step()
-                    self._count_skips(prefix, finite)
+                    self._count_skips(role, finite)
                     optimizer.zero_grad(set_to_none=True)
-                    stats[f"{prefix}/grad_norm"] = grad_norm.detach()
-                    stats[f"{prefix}/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])  # the update's, as verl logs it
-                    stats[f"{prefix}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
+                    stats[f"{role}/grad_norm"] = grad_norm.detach()
+                    stats[f"{role}/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])  # the update's, as verl logs it
+                    stats[f"{role}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
                     per_mini.append(stats)
         return per_mini
 
@@ -340,9 +347,7 @@ class PPOTrainer:
         mask = mb["response_mask"]
         # actor/entropy comes from the old-log-prob pass (verl 0.9); here only for the bonus or if asked
         bonus = a.entropy_coeff != 0
-        log_prob, entropy = response_log_probs(
-            self.actor, mb, temp, calculate_entropy=bonus or a.calculate_entropy, fused=self.fused, compiled=self.compiled
-        )
+        log_prob, entropy = self.accel.actor.log_probs(self.actor, mb, temp, bonus or a.calculate_entropy)
         scale = self._loss_scale_factor(a.loss_scale_factor)
         pg_loss, pg_metrics = POLICY_LOSSES.call(
             a.policy_loss, old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
@@ -376,19 +381,6 @@ class PPOTrainer:
         return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean}
 
     # ---- one step ----------------------------------------------------------------------
-    def _timed(self, timing: dict, name: str, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``, its wall time (device work included) stored as ``timing_s/<name>``;
-        in a ``torch.profiler`` trace its operators sit under a range of that name."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        with torch.profiler.record_function(f"timing_s/{name}"):
-            out = fn(*args, **kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        timing[f"timing_s/{name}"] = time.perf_counter() - start
-        return out
-
     def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, dict]:
         """Phases 1 and 2 for a batch of prompt records: generate, then evaluate.
 
@@ -397,11 +389,12 @@ class PPOTrainer:
             timing: receives ``timing_s/gen`` and the evaluate timings.
 
         Returns:
-            (batch, stats): the batch holds every key of ``refppo.rollout.generate`` plus those
-            ``evaluate`` adds, B = len(records) x rollout.n rows; stats as ``evaluate`` returns.
+            (batch, stats): the batch holds every key of :func:`refppo.generation.generate` plus
+            those ``evaluate`` adds, B = len(records) x rollout.n rows; stats as ``evaluate`` returns.
         """
         n = self.config.rollout.n
-        batch = self._timed(timing, "gen", self.generate, records, n)
+        with timer(timing, "gen", self.device):
+            batch = self.generate(records, n)
         return batch, self.evaluate(batch, [r for r in records for _ in range(n)], timing)
 
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
@@ -414,25 +407,17 @@ class PPOTrainer:
         Returns:
             (critic stats, actor stats): one dict of detached scalars per mini-batch update.
         """
-        c = self.config
         critic_minis, actor_minis = [], []
         if self.use_critic:
             self.critic.train()
-            critic_minis = self._timed(
-                timing, "update_critic", self._minibatch_updates, batch, self.critic_opt, self.critic_params,
-                c.critic.grad_clip, critic_setting(c, "ppo_epochs"), critic_setting(c, "ppo_mini_batch_size"),
-                c.critic.ppo_micro_batch_size_per_gpu, token_budget(c.critic), critic_setting(c, "loss_agg_mode"),
-                self._critic_loss, "critic",
-            )  # fmt: skip
+            with timer(timing, "update_critic", self.device):
+                critic_minis = self._minibatch_updates(batch, "critic")
             self.critic.eval()
             self.critic_sched.step()
-        if self.step >= c.trainer.critic_warmup:
+        if self.step >= self.config.trainer.critic_warmup:
             self.actor.train()
-            actor_minis = self._timed(
-                timing, "update_actor", self._minibatch_updates, batch, self.actor_opt, self.actor_params,
-                c.actor.grad_clip, c.actor.ppo_epochs, c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size_per_gpu,
-                token_budget(c.actor), c.actor.loss_agg_mode, self._actor_loss, "actor",
-            )  # fmt: skip
+            with timer(timing, "update_actor", self.device):
+                actor_minis = self._minibatch_updates(batch, "actor")
             self.actor.eval()
             self.actor_sched.step()
         return critic_minis, actor_minis

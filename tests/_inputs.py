@@ -1,12 +1,43 @@
-"""Inputs shared by the tests: masks of every shape the code must handle, chat templates, and a
-probe of attention calls."""
+"""Inputs shared by the tests: masks of every shape the code must handle, chat templates, rollouts
+of a tiny model, a ragged batch, and a probe of attention calls."""
 
 import contextlib
 
 import torch
 from hypothesis import strategies as st
 
+from refppo.generation import generate
+from refppo.prompts import build_batch, tokenize_prompts
 from refppo.tasks.tokenizer import build_tokenizer
+
+PROMPTS = ["12+34=", "7*8=", "999+1=", "hello, world:"]
+
+
+def rollout(tok, actor, prompts=PROMPTS, **kw):
+    """``generate`` on ``prompts``: 12 new tokens, a generator seeded 0, unless ``kw`` says otherwise."""
+    ids, mask = tokenize_prompts(tok, prompts)
+    kw = {"max_new_tokens": 12, "generator": torch.Generator().manual_seed(0), **kw}
+    return generate(actor, ids, mask, tok.eos_token_id, tok.pad_token_id, **kw)
+
+
+def row_tokens(batch):
+    """Each row's unpadded prompt ids and valid response ids, as Python lists."""
+    for i in range(batch["prompts"].shape[0]):
+        prompt = batch["prompts"][i][batch["attention_mask"][i, : batch["prompts"].shape[1]].bool()].tolist()
+        response = batch["responses"][i][batch["response_mask"][i].bool()].tolist()
+        yield prompt, response
+
+
+def ragged_batch(tok, rows=12):
+    """Prompts of 2-13 characters and responses of 1-9 tokens (plus EOS), in the rollout layout,
+    with random advantages and an index."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 10, (rows,), generator=g).tolist()
+    prompts = ["1" * (2 + (5 * i) % 12) + "=" for i in range(rows)]
+    batch = build_batch(tok, prompts, ["7" * n for n in lengths])
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"]
+    batch["index"] = torch.arange(rows)
+    return batch
 
 # Chat templates in the character tokenizer's alphabet: Llama-style (the template writes the BOS,
 # and the tokenizer adds one to a text) and Qwen-style (no BOS in the template).

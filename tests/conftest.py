@@ -6,6 +6,24 @@ settings.register_profile("refppo", max_examples=60, deadline=None)
 settings.load_profile("refppo")
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """The offline tasks' character tokenizer."""
+    from refppo.tasks.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    """A tiny actor, critic and reward model (seed 0)."""
+    from refppo.models import load_causal_lm, load_value_model, tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(tok)
+    return load_causal_lm(config), load_value_model(config), load_value_model(config)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -17,9 +35,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def compiled_kernel_calls(monkeypatch):
-    """Every call of refppo.functional's compiled block kernels from here on, in order, as
+    """Every call of refppo.accel.logprobs's compiled block kernels from here on, in order, as
     "forward" or "backward" (the real compiled kernels still run)."""
-    import refppo.functional as F
+    import refppo.accel.logprobs as F
 
     calls = []
     forward, backward = F._compiled_kernels()

@@ -11,7 +11,6 @@ from refppo.advantages import (
     compute_grpo_outcome_advantage,
     compute_rloo_outcome_advantage,
     get_adv_estimator_fn,
-    discounted_reverse_cumsum,
 )
 
 
@@ -107,18 +106,6 @@ def test_gae_extremes_are_td_and_monte_carlo():
     _, ret1 = compute_gae_advantage_return(r, v, m, 1.0, 1.0)
     reward_to_go = r.flip(-1).cumsum(-1).flip(-1)
     torch.testing.assert_close(ret1, reward_to_go)  # lambda = 1, gamma = 1: Monte-Carlo return
-
-
-@given(st.integers(1, 70), st.sampled_from([0.0, 0.3, 0.9405, 1.0]), st.integers(0, 2**31 - 1))
-def test_discounted_reverse_cumsum_matches_loop(length, discount, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(3, length, generator=gen, dtype=torch.float64)
-    y = discounted_reverse_cumsum(x, discount)
-    for i in range(3):
-        acc = 0.0
-        for t in reversed(range(length)):
-            acc = x[i, t].item() + discount * acc
-            assert y[i, t].item() == pytest.approx(acc, abs=1e-10)
 
 
 def test_gamma_and_lam_may_be_tensors():

@@ -12,7 +12,6 @@ from _inputs import CHAT_TEMPLATES
 
 from refppo.cli import main
 from refppo.config import Config
-from refppo.rollout import response_log_probs
 from refppo.runs import RunFolder
 
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1"]
@@ -163,15 +162,15 @@ def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_pat
 def test_sft_with_fused_kernels_gives_the_same_run(sft_run, tmp_path, monkeypatch):
     """model.use_fused_kernels in refppo sft: the loss from the final hidden states, the same
     losses step by step as the logits path (CPU, float32)."""
-    import refppo.sft
+    from refppo.accel.logprobs import BlockLogProbs
 
-    seen = []
+    seen, call = [], BlockLogProbs.__call__
 
-    def recording(*args, fused=False, **kwargs):
-        seen.append(fused)
-        return response_log_probs(*args, fused=fused, **kwargs)
+    def recording(self, *args, **kwargs):
+        seen.append(self.fused)
+        return call(self, *args, **kwargs)
 
-    monkeypatch.setattr(refppo.sft, "response_log_probs", recording)
+    monkeypatch.setattr(BlockLogProbs, "__call__", recording)
     out = tmp_path / "fused"
     assert main(["sft", f"trainer.output_dir={out}", "sft.steps=3", "sft.batch_size=8", "model.use_fused_kernels=true", *TINY]) == 0
     losses = [[json.loads(ln)["sft/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in (sft_run, out)]
@@ -183,8 +182,8 @@ def test_sft_with_fused_kernels_gives_the_same_run(sft_run, tmp_path, monkeypatc
 def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_path, monkeypatch, command):
     """model.enable_gradient_checkpointing in refppo sft and refppo rm: it reaches the trained
     model, and the losses are the same step by step (recomputing a layer changes no number)."""
-    import refppo.cli
-    from refppo.models import enable_gradient_checkpointing
+    import refppo.accel.checkpointing
+    from refppo.accel.checkpointing import enable_gradient_checkpointing
 
     seen = []
 
@@ -192,7 +191,7 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
         seen.append(type(model).__name__)
         enable_gradient_checkpointing(model, *args)
 
-    monkeypatch.setattr(refppo.cli, "enable_gradient_checkpointing", recording)
+    monkeypatch.setattr(refppo.accel.checkpointing, "enable_gradient_checkpointing", recording)
     args = {
         "sft": ["sft.steps=3", "sft.batch_size=8", *TINY],
         "rm": ["data.task=preference", f"model.path={sft_run}/model", "rm.steps=3", "rm.batch_size=8", "rm.n_pairs=24"],
@@ -353,39 +352,6 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path):
     assert not run.checkpoint_dir(2).exists()
     run.save_checkpoint(2, lambda folder: (folder / "state").write_text("two"))
     assert run.latest_step() == 2 and sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_000001", "step_000002"]
-
-
-def test_cached_run_trains_once_per_setting(tmp_path, monkeypatch):
-    from refppo import cli
-
-    calls = []
-    real_main = cli.main
-    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or real_main(argv))
-    args = ["sft.steps=2", "sft.batch_size=4", *TINY]
-    first = cli.cached_run("sft", args, tmp_path)
-    assert (first / "model" / "config.json").exists() and len(calls) == 1
-    assert cli.cached_run("sft", args, tmp_path) == first and len(calls) == 1  # reused, not retrained
-    other = cli.cached_run("sft", [*args, "sft.lr=5e-4"], tmp_path)
-    assert other != first and len(calls) == 2
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
-
-    def killed_midway(argv):  # an interrupted run leaves a partial folder behind
-        out = Path(next(a for a in argv if a.startswith("trainer.output_dir=")).split("=", 1)[1])
-        out.mkdir(parents=True)
-        (out / "metrics.jsonl").write_text("partial")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(cli, "main", killed_midway)
-    with pytest.raises(KeyboardInterrupt):
-        cli.cached_run("sft", [*args, "sft.lr=1e-4"], tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted([first.name, other.name])
-    monkeypatch.setattr(cli, "main", real_main)
-    retried = cli.cached_run("sft", [*args, "sft.lr=1e-4"], tmp_path)  # the partial run is not reused
-    assert (retried / "model" / "config.json").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-    with pytest.raises(ValueError, match="unknown command 'eval'"):
-        cli.cached_run("eval", [], tmp_path)
-
 
 def test_a_reward_module_in_the_working_directory_is_found(tmp_path):
     """The ``refppo`` script's sys.path lacks the working directory (``python -m`` adds it);

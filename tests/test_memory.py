@@ -12,8 +12,10 @@ from refppo.memory import (
     param_count,
     state_bytes,
 )
-from refppo.models import enable_gradient_checkpointing, load_causal_lm, load_value_model, tiny_config
-from refppo.rollout import build_batch, response_log_probs
+from refppo.accel.checkpointing import enable_gradient_checkpointing
+from refppo.forward import response_log_probs
+from refppo.models import load_causal_lm, load_value_model, tiny_config
+from refppo.prompts import build_batch
 from refppo.tasks.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()

@@ -14,7 +14,7 @@ from refppo.kl import kl_penalty, kl_penalty_types, register_kl_estimator
 from refppo.losses import agg_loss, register_policy_loss
 from refppo.models import init_value_head, load_causal_lm, load_value_model, value_head
 from refppo.registry import Registry
-from refppo.rollout import response_log_probs
+from refppo.forward import response_log_probs
 from refppo.trainer import PPOTrainer
 
 

@@ -6,7 +6,8 @@ import torch
 
 from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.reward_model import bradley_terry_loss, center_reward_model, train_reward_model
-from refppo.rollout import build_batch, compute_scores
+from refppo.forward import compute_scores
+from refppo.prompts import build_batch
 from refppo.sft import sft_loss, train_sft
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer

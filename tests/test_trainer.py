@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,8 +6,7 @@ import torch
 
 from _trainers import make_trainer
 import refppo.trainer
-from refppo.config import token_budget
-from refppo.rollout import split_micro_batches
+from refppo.forward import ForwardPasses
 from refppo.runs import RunFolder, check_resume
 from refppo.trainer import check_scores, fit
 
@@ -200,10 +200,8 @@ def test_nonfinite_gradient_skips_the_step():
     batch = {"response_mask": torch.ones(16, 3)}
     param = trainer.actor_params[0]
     before = param.detach().clone()
-    stats = trainer._minibatch_updates(
-        batch, trainer.actor_opt, trainer.actor_params, 1.0, 1, 8, None, None, "token-mean",
-        lambda mb: ((param.sum() * float("nan")), {}), "actor",
-    )  # fmt: skip
+    trainer._actor_loss = lambda mb: ((param.sum() * float("nan")), {})
+    stats = trainer._minibatch_updates(batch, "actor")
     assert torch.equal(param.detach(), before)
     assert all(s["actor/skipped_nonfinite_grad"] == 1.0 for s in stats)
 
@@ -239,16 +237,13 @@ def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split
     split.sampler.next_batch()
     for trainer in (whole, split):
         trainer.shuffle_gen.manual_seed(0)
-        mini = trainer._minibatch_updates(
-            {k: v.clone() for k, v in batch.items()}, trainer.actor_opt, trainer.actor_params, 1.0, 1, 8,
-            trainer.config.actor.ppo_micro_batch_size_per_gpu, token_budget(trainer.config.actor), mode, trainer._actor_loss, "actor",
-        )[0]  # fmt: skip
+        mini = trainer._minibatch_updates({k: v.clone() for k, v in batch.items()}, "actor")[0]
         trainer.first = {k: float(v) for k, v in mini.items() if k != "actor/grad_norm"}
     assert set(whole.first) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "actor/pg_clipfrac", "actor/ppo_kl"}
     assert whole.first == pytest.approx(split.first, rel=1e-5, abs=1e-7)
     first_mini = {k: v[:8] for k, v in batch.items()}
     micro = split.config.actor.ppo_micro_batch_size_per_gpu
-    assert len(split_micro_batches(first_mini, micro, token_budget(split.config.actor))) > 2, "a vacuous check: one micro-batch"
+    assert len(split.accel.actor.micro_batches(first_mini, micro)) > 2, "a vacuous check: one micro-batch"
 
 
 def test_reward_function_errors():
@@ -273,20 +268,20 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     with pytest.raises(ValueError, match="values contains NaN or inf"):
         trainer.train_step()  # GAE's own input check
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor_params))
-    def nan_log_probs(model, batch, *args, calculate_entropy=False, **kwargs):
+    def nan_log_probs(self, model, batch, temperature=1.0, micro_batch_size=None, calculate_entropy=False):
         nan = torch.full_like(batch["rollout_log_probs"], float("nan"))
         return (nan, torch.zeros_like(nan)) if calculate_entropy else nan
 
-    monkeypatch.setattr(refppo.trainer, "compute_log_probs", nan_log_probs)
+    monkeypatch.setattr(ForwardPasses, "compute_log_probs", nan_log_probs)
     with pytest.raises(ValueError, match="old_log_probs contains NaN or inf at a valid token"):
         make_trainer(["trainer.critic_warmup=0"]).train_step()  # nothing else reads them before the update
     monkeypatch.undo()
 
-    def nan_entropy(*args, calculate_entropy=False, _plain=refppo.trainer.compute_log_probs, **kwargs):
-        out = _plain(*args, calculate_entropy=calculate_entropy, **kwargs)
-        return (out[0], torch.full_like(out[1], float("nan"))) if calculate_entropy else out
+    def nan_entropy(self, *args, _plain=ForwardPasses.compute_log_probs):
+        out = _plain(self, *args)
+        return (out[0], torch.full_like(out[1], float("nan"))) if len(args) == 5 and args[4] else out
 
-    monkeypatch.setattr(refppo.trainer, "compute_log_probs", nan_entropy)
+    monkeypatch.setattr(ForwardPasses, "compute_log_probs", nan_entropy)
     with pytest.raises(ValueError, match="entropy contains NaN or inf at a valid token"):
         make_trainer(["trainer.critic_warmup=0"]).train_step()  # actor/entropy, from the old-log-prob pass
     monkeypatch.undo()
@@ -303,21 +298,29 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
 def test_the_update_computes_the_entropy_only_with_a_coefficient(monkeypatch, fused):
     """actor.entropy_coeff=0 (the default): no update forms an entropy (actor/entropy comes from
     the old-log-prob pass, as in verl 0.9); with a coefficient, every one computes it, logs
-    actor/entropy_loss and differentiates it; actor.calculate_entropy=true computes and logs it
-    without a gradient."""
-    import refppo.functional as F
+    actor/entropy_loss and differentiates it (seen in the blocks' backward pass, fused); with
+    actor.calculate_entropy=true computes and logs it without a gradient."""
+    import refppo.accel.logprobs as L
 
     asked, differentiated = [], []
-    plain_pass, plain_grads = refppo.trainer.response_log_probs, F._chunked_grads
-    monkeypatch.setattr(refppo.trainer, "response_log_probs", lambda *a, **k: asked.append(k["calculate_entropy"]) or plain_pass(*a, **k))
-    monkeypatch.setattr(F, "_chunked_grads", lambda *a: differentiated.append(a[3] is not None) or plain_grads(*a))
+    plain_grads = L._chunked_grads
+    monkeypatch.setattr(L, "_chunked_grads", lambda *a: differentiated.append(a[3] is not None) or plain_grads(*a))
     for setting, computed, bonus in (("actor.entropy_coeff=0", False, False), ("actor.entropy_coeff=0.01", True, True),
                                       ("actor.calculate_entropy=true", True, False)):  # fmt: skip
         asked.clear(), differentiated.clear()
-        metrics = make_trainer([setting, f"model.use_fused_kernels={fused}"]).train_step()
+        trainer = make_trainer([setting, f"model.use_fused_kernels={fused}"])
+        log_probs = trainer.accel.actor.log_probs
+
+        def spy(model, batch, temperature, calculate_entropy, _plain=log_probs):
+            if torch.is_grad_enabled():  # the update's passes, not the old-log-prob pass
+                asked.append(calculate_entropy)
+            return _plain(model, batch, temperature, calculate_entropy)
+
+        trainer.accel = dataclasses.replace(trainer.accel, actor=dataclasses.replace(trainer.accel.actor, log_probs=spy))
+        metrics = trainer.train_step()
         assert metrics["actor/entropy"] > 0 and ("actor/entropy_loss" in metrics) == computed
         assert asked and all(a == computed for a in asked), (setting, asked)
-        assert differentiated and all(d == bonus for d in differentiated), (setting, differentiated)
+        assert all(d == bonus for d in differentiated) and bool(differentiated) == fused, (setting, differentiated)
 
 
 def test_the_progress_bar_shows_the_kl_to_the_reference_when_one_is_computed():

@@ -6,6 +6,7 @@ each logged metric means. The references run every sequence on its own, unpadded
 every formula out, so they share no code path with the trainer beyond the model itself.
 """
 
+import contextlib
 import copy
 import math
 
@@ -14,7 +15,8 @@ import torch
 
 from _trainers import TOK, first_char_is_seven, make_trainer
 
-from refppo.rollout import compute_log_probs, compute_values, split_micro_batches
+import refppo.trainer
+from refppo.forward import compute_log_probs, compute_values
 
 BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.grad_clip=1e9", "critic.grad_clip=1e9"]
 
@@ -248,7 +250,7 @@ def test_token_budget_micro_batches_give_the_plain_gradient(mode):
     )
     lengths = trainer.evaluated_batches[-1]["response_mask"].sum(-1)
     assert lengths.min() < lengths.max(), "a vacuous check: every response has the same length"
-    assert len(split_micro_batches(trainer.evaluated_batches[-1], None, 14)) > 3, "a vacuous check: few micro-batches"
+    assert len(trainer.accel.actor.micro_batches(trainer.evaluated_batches[-1], None)) > 3, "a vacuous check: few micro-batches"
     fresh = make_trainer([*BATCH, *budget])
     ragged(fresh)
     batch, _ = fresh.make_experience(fresh.sampler.next_batch(), {})
@@ -321,24 +323,26 @@ def test_fused_kernels_never_run_the_lm_head_over_the_responses():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, fused):
-    """actor.use_torch_compile: sampling, the reference and old-log-prob passes and the actor's
-    update reduce their logits (or, fused, their hidden states' blocks) with the compiled kernels,
-    and the update's gradient goes through them too; without it no pass does."""
+def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, monkeypatch, fused):
+    """actor.use_torch_compile: the reference and old-log-prob passes and the actor's update reduce
+    their logits (or, fused, their hidden states' blocks) with the compiled kernels, and the
+    update's gradient goes through them too; without it no pass does."""
+    timer, seen = refppo.trainer.timer, set()
+
+    @contextlib.contextmanager
+    def in_phase(timing, name, device):  # the compiled calls each phase made
+        before = len(compiled_kernel_calls)
+        with timer(timing, name, device):
+            yield
+        seen.update((name, call) for call in compiled_kernel_calls[before:])
+
+    monkeypatch.setattr(refppo.trainer, "timer", in_phase)
     for compiled in (False, True):
         trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", f"model.use_fused_kernels={fused}",
                                 f"actor.use_torch_compile={compiled}"])  # fmt: skip
-        timed, seen = trainer._timed, set()
-
-        def in_phase(timing, name, fn, *args, **kwargs):  # the compiled calls each phase made
-            before = len(compiled_kernel_calls)
-            out = timed(timing, name, fn, *args, **kwargs)
-            seen.update((name, call) for call in compiled_kernel_calls[before:])
-            return out
-
-        trainer._timed = in_phase
+        seen.clear()
         trainer.train_step()
-        passes = {"gen", "ref", "old_log_prob", "update_actor"}
+        passes = {"ref", "old_log_prob", "update_actor"}
         expected = {(p, "forward") for p in passes} | {("update_actor", "backward")}
         assert seen == (expected if compiled else set()), (compiled, seen)
 
@@ -445,9 +449,7 @@ def test_vpred_mean_is_the_critic_s_mean_prediction_in_its_update():
     batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
     batch["response_mask"] = batch["response_mask"].clone()
     batch["response_mask"][:3, 1:] = 0  # ragged, so the micro-batches hold different token counts
-    first = trainer._minibatch_updates(
-        batch, trainer.critic_opt, trainer.critic_params, 1e9, 1, 8, 2, None, "token-mean", trainer._critic_loss, "critic"
-    )[0]  # fmt: skip
+    first = trainer._minibatch_updates(batch, "critic")[0]
     mask = batch["response_mask"].bool()
     assert first["critic/vpred_mean"].item() == pytest.approx(batch["values"].double()[mask].mean().item(), rel=1e-5)
 

@@ -1,0 +1,90 @@
+"""Paths that change speed or memory, never results: each computes what a plain function of the
+teaching core computes (to float rounding), and the trainer picks them once from the config
+(:func:`select`).
+
+- :mod:`refppo.accel.logprobs`: log-probs and entropies in blocks of rows, compiled or from the
+  hidden states (``actor.use_torch_compile``, ``model.use_fused_kernels``; on CUDA in blocks);
+- :mod:`refppo.accel.decoding`: static-cache decoding replayed as CUDA graphs, with grouped-query
+  attention read in place (``rollout.cuda_graphs``);
+- :mod:`refppo.accel.token_budget`: micro-batches of a token budget (``*.use_dynamic_bsz``);
+- :mod:`refppo.accel.checkpointing`: activation checkpointing (``*.enable_gradient_checkpointing``);
+- :mod:`refppo.accel.gae`: GAE without a loop over tokens (on CUDA).
+
+On a CPU the defaults are the plain paths; on CUDA the ones that measured faster
+(``benchmarks/README.md``): compiled log-probs in large blocks, CUDA-graph decoding, packed GAE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from refppo.accel.decoding import StaticDecoder
+from refppo.accel.gae import packed_gae_advantage_return
+from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs
+from refppo.accel.token_budget import TokenBudgetPasses
+from refppo.config import Config
+from refppo.forward import ForwardPasses, response_log_probs
+
+
+def _plain_decoder(model, max_length: int):
+    return model
+
+
+@dataclass(frozen=True)
+class Accel:
+    """The paths a trainer calls where a faster one may stand in for the plain one.
+
+    Attributes:
+        actor: the actor's and the reference's log-prob passes and the actor's micro-batches.
+        critic: the critic's value pass and micro-batches.
+        decoder: ``decoder(model, max_length)`` -> what :func:`refppo.generation.generate` calls
+            (the model itself, or a :class:`~refppo.accel.decoding.StaticDecoder`).
+        adv_estimators: advantage estimators by name that replace the registered ones.
+    """
+
+    actor: ForwardPasses = field(default_factory=ForwardPasses)
+    critic: ForwardPasses = field(default_factory=ForwardPasses)
+    decoder: Callable = _plain_decoder
+    adv_estimators: dict[str, Callable] = field(default_factory=dict)
+
+
+def on_cuda(setting: bool | None, device: torch.device) -> bool:
+    """A speed setting as given, or, when it is null, whether the device is CUDA."""
+    return device.type == "cuda" if setting is None else setting
+
+
+def select(config: Config, device: torch.device) -> Accel:
+    """The paths ``config`` asks for on ``device``.
+
+    - log-probs: in blocks when the device is CUDA, ``actor.use_torch_compile`` is on (null: on
+      CUDA) or ``model.use_fused_kernels`` is set; else :func:`refppo.forward.response_log_probs`;
+    - micro-batches: of a token budget with ``actor.use_dynamic_bsz`` / ``critic.use_dynamic_bsz``;
+    - decoding: :class:`~refppo.accel.decoding.StaticDecoder` with ``rollout.cuda_graphs`` (null:
+      on CUDA);
+    - GAE: :func:`~refppo.accel.gae.packed_gae_advantage_return` on CUDA.
+
+    Args:
+        config: validated settings.
+        device: where the models run.
+    """
+    compiled = on_cuda(config.actor.use_torch_compile, device)
+    fused = config.model.use_fused_kernels
+    log_probs = response_log_probs
+    if compiled or fused or device.type == "cuda":
+        log_probs = BlockLogProbs(compiled=compiled, fused=fused, chunk_elements=CHUNK_ELEMENTS[device.type])
+
+    def passes(role) -> ForwardPasses:
+        if role.use_dynamic_bsz:
+            return TokenBudgetPasses(log_probs, max_tokens=role.ppo_max_token_len_per_gpu)
+        return ForwardPasses(log_probs)
+
+    cuda = device.type == "cuda"
+    return Accel(
+        actor=passes(config.actor),
+        critic=passes(config.critic),
+        decoder=StaticDecoder if on_cuda(config.rollout.cuda_graphs, device) else _plain_decoder,
+        adv_estimators={"gae": packed_gae_advantage_return} if cuda else {},
+    )

@@ -1,0 +1,72 @@
+import pytest
+import torch
+from _inputs import CHAT_TEMPLATES, chat_tokenizer
+
+from refppo.prompts import encode_prompts, left_pad, position_ids_from_mask, tokenize_prompts
+
+
+def test_prompt_length_limit(tok):
+    with pytest.raises(ValueError, match="prompt 1 has 7 tokens, more than max_prompt_length=5"):
+        tokenize_prompts(tok, ["1+1=", "12+34="], max_prompt_length=5)
+    ids, mask = tokenize_prompts(tok, ["1+1=", "12+34="], max_prompt_length=5, truncation="right")
+    assert tok.decode(ids[1]) == "2+34="
+    ids, _ = tokenize_prompts(tok, ["12+34="], max_prompt_length=5, truncation="left")
+    assert tok.decode(ids[0]) == "<bos>12+3"
+    with pytest.raises(ValueError, match="unknown truncation 'middle'"):
+        tokenize_prompts(tok, ["1"], max_prompt_length=5, truncation="middle")
+
+
+@pytest.mark.parametrize("template", CHAT_TEMPLATES)
+def test_chat_prompts_are_encoded_as_verl_encodes_them(template):
+    """A chat (verl's data format) goes through the chat template with the assistant's turn
+    opened and gets no second BOS; a text keeps the tokenizer's own. Expected ids written out
+    character by character, and equal to transformers' apply_chat_template(tokenize=True), which
+    verl's rollout calls."""
+    chat_tok = chat_tokenizer(template)
+    vocab = chat_tok.get_vocab()
+    chats = [[{"role": "user", "content": "abc"}], [{"role": "system", "content": "be brief"}, {"role": "user", "content": "d"}]]
+    prompts = ["1+1=", chats[0], "7*8=", chats[1]]
+    ids = encode_prompts(chat_tok, prompts)
+    head = [vocab["<bos>"]] if template == "bos" else []
+    chat_texts = ["user: abc.assistant:", "system: be brief.user: d.assistant:"]
+    expected = [[vocab["<bos>"]] + [vocab[c] for c in text] for text in ("1+1=", "7*8=")]
+    expected_chats = [head + [vocab[c] for c in text] for text in chat_texts]
+    assert ids == [expected[0], expected_chats[0], expected[1], expected_chats[1]]
+    for chat, seq in zip(chats, expected_chats):
+        assert chat_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"] == seq
+    batch_ids, mask = tokenize_prompts(chat_tok, prompts)
+    assert [row[m.bool()].tolist() for row, m in zip(batch_ids, mask)] == ids
+    with pytest.raises(ValueError, match="prompt 1 has 2[0-9] tokens, more than max_prompt_length=16"):
+        tokenize_prompts(chat_tok, prompts, max_prompt_length=16)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([{"role": "user", "content": "abc"}], "prompt 1 is a chat, but the tokenizer has no chat template"),
+        ({"role": "user", "content": "abc"}, "prompt 1 is one message, not a chat"),
+        ([], "prompt 1 is neither a text nor a chat"),
+        ([{"role": "user"}], "prompt 1 is neither a text nor a chat"),
+        ([{"role": "user", "content": ["abc"]}], "prompt 1 is neither a text nor a chat"),
+        (7, "prompt 1 is neither a text nor a chat"),
+    ],
+)
+def test_prompts_that_are_neither_texts_nor_renderable_chats_are_refused(tok, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        tokenize_prompts(tok, ["1+1=", prompt])
+
+
+
+def test_position_ids_count_only_attended_tokens():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5]]
+
+
+def test_bad_prompts(tok):
+    with pytest.raises(ValueError, match="the prompt list is empty"):
+        tokenize_prompts(tok, [])
+    with pytest.raises(ValueError, match="one string"):
+        tokenize_prompts(tok, "1+1=")
+    with pytest.raises(ValueError, match="sequence 0 has no tokens"):
+        left_pad([[]], tok.pad_token_id)
+
