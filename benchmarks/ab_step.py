@@ -25,16 +25,21 @@ import statistics
 import time
 
 import torch
-
 from bench_args import positive_int
 from bench_ppo_step import WORKLOADS, benchmark_config, build, step_record, workload_overrides
 from profile_step import phase_table, profile_step, render, top_operators
+
 from refppo import accel
 from refppo.accel import logprobs
 
 # Settings the trainer reads at every step (the others are fixed when it is built).
-PER_STEP = ("micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz", "actor.use_torch_compile",
-            "model.use_fused_kernels")  # fmt: skip
+PER_STEP = (
+    "micro_batch_size_per_gpu",
+    "max_token_len_per_gpu",
+    "use_dynamic_bsz",
+    "actor.use_torch_compile",
+    "model.use_fused_kernels",
+)
 
 
 def parse_variant(text: str) -> tuple[str, list[str], int | None]:
@@ -48,7 +53,9 @@ def parse_variant(text: str) -> tuple[str, list[str], int | None]:
         if key == "chunk_elements":
             chunk = positive_int(value)
         elif not any(p in key for p in PER_STEP):
-            raise argparse.ArgumentTypeError(f"{name}: {key} is fixed when the trainer is built; variants may set {PER_STEP}")
+            raise argparse.ArgumentTypeError(
+                f"{name}: {key} is fixed when the trainer is built; variants may set {PER_STEP}"
+            )
         else:
             overrides.append(item)
     return name, overrides, chunk
@@ -83,8 +90,9 @@ def summarise(runs: dict[str, list[tuple[float, dict]]]) -> dict:
             row["median_step_s"] = statistics.median(row["step_s_all"])
             row["phases_s"] = {
                 k.removeprefix("timing_s/"): statistics.median(m[k] for _, m in timed)
-                for k in timed[0][1] if k.startswith("timing_s/")
-            }  # fmt: skip
+                for k in timed[0][1]
+                if k.startswith("timing_s/")
+            }
             row["peak_memory_gb"] = max(m["perf/max_memory_allocated_gb"] for _, m in timed)
         out[name] = row
     return out
@@ -126,7 +134,9 @@ def main() -> None:
         row = summary.get(args.record, {})
         if row.get("step_s_all"):
             _, overrides, chunk = variants[args.record]
-            record = step_record(row["step_s_all"], row["phases_s"], args.device, args.commit, args.overrides + overrides, chunk)
+            record = step_record(
+                row["step_s_all"], row["phases_s"], args.device, args.commit, args.overrides + overrides, chunk
+            )
             with open(args.record_json, "w") as f:
                 json.dump(record, f, indent=1)
         return summary
@@ -137,14 +147,23 @@ def main() -> None:
             use(trainer, base_overrides, variants[name])
             seconds, metrics = timed_step(trainer, args.device)
             runs[name].append((seconds, metrics))
-            phases = " ".join(f"{k.removeprefix('timing_s/')} {v:.2f}" for k, v in metrics.items() if k.startswith("timing_s/"))
-            print(f"{'warm-up' if r == 0 else f'round {r}'} {name}: {seconds:.2f} s | {phases} | "
-                  f"peak {metrics['perf/max_memory_allocated_gb']:.1f} GB", flush=True)  # fmt: skip
+            phases = " ".join(
+                f"{k.removeprefix('timing_s/')} {v:.2f}" for k, v in metrics.items() if k.startswith("timing_s/")
+            )
+            print(
+                f"{'warm-up' if r == 0 else f'round {r}'} {name}: {seconds:.2f} s | {phases} | "
+                f"peak {metrics['perf/max_memory_allocated_gb']:.1f} GB",
+                flush=True,
+            )
             summary = save()
     for name, row in summary.items():
-        print(f"{name}: median {row.get('median_step_s', float('nan')):.2f} s over {len(row['step_s_all'])} steps "
-              f"(min {min(row['step_s_all'], default=float('nan')):.2f}, max {max(row['step_s_all'], default=float('nan')):.2f}), "
-              f"peak {row.get('peak_memory_gb', float('nan')):.1f} GB", flush=True)  # fmt: skip
+        print(
+            f"{name}: median {row.get('median_step_s', float('nan')):.2f} s over {len(row['step_s_all'])} steps "
+            f"(min {min(row['step_s_all'], default=float('nan')):.2f}, max "
+            f"{max(row['step_s_all'], default=float('nan')):.2f}), "
+            f"peak {row.get('peak_memory_gb', float('nan')):.1f} GB",
+            flush=True,
+        )
     if args.profile:
         use(trainer, base_overrides, variants[args.profile])
         metrics, events = profile_step(trainer, args.device, warmup=0)

@@ -74,10 +74,16 @@ class _Probes(ast.NodeTransformer):
         site = f"cell {self.cell}, line {line}" + (f" #{self.count}" if self.count > 1 else "")
         return ast.Call(
             ast.Name("__probe__"),
-            [ast.Constant(site), ast.Constant(ast.unparse(expr)[:110]), expr.left,
-             ast.List([ast.Constant(n) for n in names]), ast.List(list(expr.comparators)), plain],
+            [
+                ast.Constant(site),
+                ast.Constant(ast.unparse(expr)[:110]),
+                expr.left,
+                ast.List([ast.Constant(n) for n in names]),
+                ast.List(list(expr.comparators)),
+                plain,
+            ],
             [],
-        )  # fmt: skip
+        )
 
 
 def _args() -> ast.arguments:
@@ -104,7 +110,9 @@ def margins(path: Path, timeout: int) -> list[dict]:
     out = Path(tempfile.mkdtemp()) / "margins.json"
     nb.cells.insert(0, nbformat.v4.new_code_cell(PROBE))
     nb.cells.append(nbformat.v4.new_code_cell(f"_json.dump(_MARGINS, open({str(out)!r}, 'w'))"))
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
     rows = json.loads(out.read_text())
     return sorted(({"site": k, **v} for k, v in rows.items()), key=lambda r: r["relative"])
 

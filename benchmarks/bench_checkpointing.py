@@ -15,13 +15,13 @@ import argparse
 import statistics
 
 import torch
-
 from bench_args import positive_int
 from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result)
 from bench_ppo_step import WORKLOADS, workload_model
-from refppo.memory import PeakMeter, activation_bytes
+
 from refppo.accel.checkpointing import enable_gradient_checkpointing
 from refppo.forward import response_log_probs
+from refppo.memory import PeakMeter, activation_bytes
 from refppo.models import load_causal_lm
 from refppo.prompts import sequence_batch
 
@@ -48,7 +48,9 @@ def forward_backward(model, batch) -> list[torch.Tensor]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="W2", choices=sorted(WORKLOADS))
-    parser.add_argument("--rows", type=positive_int, default=None, help="default: the workload's micro-batch, else its prompts")
+    parser.add_argument(
+        "--rows", type=positive_int, default=None, help="default: the workload's micro-batch, else its prompts"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--threads", type=positive_int, default=None)
@@ -73,16 +75,22 @@ def main():
     times = {False: [], True: []}
     for _ in range(args.repeats):
         for checkpointed, model in models.items():
-            times[checkpointed].append(timed(lambda: forward_backward(model, batch), args.device, 1)[0])
+            times[checkpointed].append(timed(lambda m=model: forward_backward(m, batch), args.device, 1)[0])
 
     tokens, seq_len = batch["input_ids"].numel(), batch["input_ids"].shape[1]
-    print(f"{args.workload}: {rows} rows x {seq_len} tokens, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print(
+        f"{args.workload}: {rows} rows x {seq_len} tokens, {args.device}, {torch.get_num_threads()} threads, median "
+        f"of {args.repeats}"
+    )
     for checkpointed in (False, True):
         t = times[checkpointed]
         act = activation_bytes(config, tokens, rows * (w["response_len"] + 1), 4, seq_len, checkpointing=checkpointed)
         arithmetic = f" (float32 activations' arithmetic {act / 2**20:,.0f} MiB)" if args.device == "cpu" else ""
-        print(f"{'checkpointed' if checkpointed else 'plain':12s}: peak {peaks[checkpointed] / 2**20:,.0f} MiB{arithmetic}; "
-              f"{statistics.median(t):.3f} s ({min(t):.3f}-{max(t):.3f})")
+        print(
+            f"{'checkpointed' if checkpointed else 'plain':12s}: peak {peaks[checkpointed] / 2**20:,.0f} "
+            f"MiB{arithmetic}; "
+            f"{statistics.median(t):.3f} s ({min(t):.3f}-{max(t):.3f})"
+        )
     ratio = statistics.median(times[True]) / statistics.median(times[False])
     print(f"checkpointing: {peaks[True] / peaks[False]:.0%} of the peak, {ratio:.2f}x the time")
     flat = {k: torch.cat([g.flatten().float() for g in v]) for k, v in grads.items()}

@@ -46,11 +46,18 @@ def generate(side: str, tok, prompts, decoder, response: int) -> tuple[float, di
     with mock.patch.object(decoding, "decode_attention", attention):
         return timed(
             lambda: sample(
-                decoder, prompts, torch.ones_like(prompts), tok.eos_token_id, tok.pad_token_id, response,
-                do_sample=False, ignore_eos=True,
+                decoder,
+                prompts,
+                torch.ones_like(prompts),
+                tok.eos_token_id,
+                tok.pad_token_id,
+                response,
+                do_sample=False,
+                ignore_eos=True,
             ),
-            decoder.device.type, 1,
-        )  # fmt: skip
+            decoder.device.type,
+            1,
+        )
 
 
 def main() -> None:
@@ -72,9 +79,11 @@ def main() -> None:
     actor, tok = qwen_shaped_actor(a.layers, a.prompt + a.response, a.device)
     prompts = torch.randint(3, len(tok), (a.rows, a.prompt), generator=torch.Generator().manual_seed(0))
     tokens = a.rows * a.response
-    print(f"device={a.device} torch={torch.__version__} threads={torch.get_num_threads()} rows={a.rows} "
-          f"prompt={a.prompt} response={a.response} layers={a.layers}; seconds per generate, median of "
-          f"{a.rounds} alternating rounds after a warm-up (which compiles)")  # fmt: skip
+    print(
+        f"device={a.device} torch={torch.__version__} threads={torch.get_num_threads()} rows={a.rows} "
+        f"prompt={a.prompt} response={a.response} layers={a.layers}; seconds per generate, median of "
+        f"{a.rounds} alternating rounds after a warm-up (which compiles)"
+    )
     for mode in modes:
         decoder = decoding.StaticDecoder(actor, a.prompt + a.response, compile=mode == "compiled")
         batches = {side: generate(side, tok, prompts, decoder, a.response)[1] for side in SIDES}
@@ -86,8 +95,10 @@ def main() -> None:
                 times[side].append(generate(side, tok, prompts, decoder, a.response)[0])
         med = {side: statistics.median(t) for side, t in times.items()}
         for side in SIDES:
-            print(f"{mode:8s} {side:18s} {med[side]:.3f} s ({min(times[side]):.3f}-{max(times[side]):.3f}), "
-                  f"{tokens / med[side]:,.0f} tok/s")  # fmt: skip
+            print(
+                f"{mode:8s} {side:18s} {med[side]:.3f} s ({min(times[side]):.3f}-{max(times[side]):.3f}), "
+                f"{tokens / med[side]:,.0f} tok/s"
+            )
         print(f"{mode:8s} speed-up {med[SIDES[0]] / med[SIDES[1]]:.2f}x; identical greedy responses {same:.0%}")
 
 

@@ -20,9 +20,9 @@ import argparse
 import statistics
 
 import torch
+from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result)
 from refppo.accel.token_budget import TokenBudgetPasses
 from refppo.forward import ForwardPasses, response_log_probs
 from refppo.prompts import sequence_batch
@@ -65,37 +65,55 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     model = LlamaForCausalLM(config).to(args.device)
     batch = ragged_batch(args.rows, config.vocab_size, args.device)
     budget = args.micro * batch["input_ids"].shape[1]
     splits = {"rows": (ForwardPasses(), args.micro), "tokens": (TokenBudgetPasses(max_tokens=budget), None)}
     valid = int(batch["attention_mask"].sum())
-    print(f"{args.rows} rows, width {batch['input_ids'].shape[1]}, {valid} valid tokens; micro-batch {args.micro} rows "
-          f"or {budget} tokens; {args.device}")
+    print(
+        f"{args.rows} rows, width {batch['input_ids'].shape[1]}, {valid} valid tokens; micro-batch {args.micro} rows "
+        f"or {budget} tokens; {args.device}"
+    )
 
     results = {name: {"fwd_bwd": [], "log_probs": []} for name in splits}
     grads, log_probs = {}, {}
     for _ in range(args.repeats):
         for name, (passes, micro) in splits.items():
-            seconds, (computed, largest) = timed(lambda: forward_backward(model, batch, passes, micro), args.device, 1)
+            seconds, (computed, largest) = timed(
+                lambda p=passes, n=micro: forward_backward(model, batch, p, n), args.device, 1
+            )
             results[name]["fwd_bwd"].append(seconds)
             results[name]["tokens"], results[name]["largest"] = computed, largest
             grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
-            seconds, log_probs[name] = timed(lambda: passes.compute_log_probs(model, batch, 1.0, micro), args.device, 1)
+            seconds, log_probs[name] = timed(
+                lambda p=passes, n=micro: p.compute_log_probs(model, batch, 1.0, n), args.device, 1
+            )
             results[name]["log_probs"].append(seconds)
     scale = grads["rows"].abs().max()
     grad_diff = float((grads["rows"] - grads["tokens"]).abs().max() / scale)
     lp_diff = float((log_probs["rows"] - log_probs["tokens"]).abs().max())
     for name, r in results.items():
         fb, lp = statistics.median(r["fwd_bwd"]), statistics.median(r["log_probs"])
-        print(f"{name:6s}: tokens computed {r['tokens']:7d} ({r['tokens'] / valid:.2f}x the valid ones), largest micro-batch "
-              f"{r['largest']:6d}; forward+backward {fb:.3f} s ({min(r['fwd_bwd']):.3f}-{max(r['fwd_bwd']):.3f}), "
-              f"log-probs {lp:.3f} s ({min(r['log_probs']):.3f}-{max(r['log_probs']):.3f})")
+        print(
+            f"{name:6s}: tokens computed {r['tokens']:7d} ({r['tokens'] / valid:.2f}x the valid ones), largest "
+            "micro-batch "
+            f"{r['largest']:6d}; forward+backward {fb:.3f} s ({min(r['fwd_bwd']):.3f}-{max(r['fwd_bwd']):.3f}), "
+            f"log-probs {lp:.3f} s ({min(r['log_probs']):.3f}-{max(r['log_probs']):.3f})"
+        )
     ratio = lambda key: statistics.median(results["rows"][key]) / statistics.median(results["tokens"][key])  # noqa: E731
-    print(f"speed-up of the token budget: forward+backward {ratio('fwd_bwd'):.2f}x, log-probs {ratio('log_probs'):.2f}x; "
-          f"max relative gradient difference {grad_diff:.1e}, max log-prob difference {lp_diff:.1e}")
+    print(
+        f"speed-up of the token budget: forward+backward {ratio('fwd_bwd'):.2f}x, log-probs {ratio('log_probs'):.2f}x; "
+        f"max relative gradient difference {grad_diff:.1e}, max log-prob difference {lp_diff:.1e}"
+    )
     # On CUDA the passes autocast to bf16, whose rounding differs between micro-batch widths.
     tolerance = 1e-3 if args.device == "cpu" else 5e-2
     assert results["tokens"]["largest"] <= budget and grad_diff < tolerance and lp_diff < tolerance, tolerance

@@ -16,9 +16,9 @@ import argparse
 import statistics
 
 import torch
-
 from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, result)
 from bench_logprobs import draw_inputs
+
 from refppo.accel.logprobs import chunked_logprobs, fused_logprobs
 
 
@@ -53,12 +53,16 @@ def main():
     times = {True: [], False: []}
     for _ in range(a.repeats):  # alternating, one call at a time
         for flag in (True, False):
-            times[flag].append(timed(lambda: step(inputs, labels, weights, flag, hidden), a.device, 1)[0])
+            times[flag].append(timed(lambda f=flag: step(inputs, labels, weights, f, hidden), a.device, 1)[0])
     before, after = statistics.median(times[True]), statistics.median(times[False])
-    print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
-          f"threads={torch.get_num_threads()} median of {a.repeats}, gradients equal")
-    print(f"entropy in the loss x 0: {before * 1e3:.0f} ms   logged only: {after * 1e3:.0f} ms   "
-          f"speed-up {before / after:.2f}x")
+    print(
+        f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
+        f"threads={torch.get_num_threads()} median of {a.repeats}, gradients equal"
+    )
+    print(
+        f"entropy in the loss x 0: {before * 1e3:.0f} ms   logged only: {after * 1e3:.0f} ms   "
+        f"speed-up {before / after:.2f}x"
+    )
 
 
 if __name__ == "__main__":

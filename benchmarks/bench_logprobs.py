@@ -31,8 +31,8 @@ import sys
 import time
 
 import torch
-
 from bench_args import positive_int
+
 from refppo.accel.logprobs import chunked_logprobs, fused_logprobs
 
 
@@ -69,7 +69,14 @@ def fused_compiled(hidden, weight, labels):
     return fused_logprobs(hidden, weight, labels, chunk_size=rows_per_chunk(weight.shape[0]), compiled=True)[0]
 
 
-VARIANTS = {"naive": naive, "chunked": chunked, "head": head, "fused": fused, "compiled": compiled, "fused_compiled": fused_compiled}
+VARIANTS = {
+    "naive": naive,
+    "chunked": chunked,
+    "head": head,
+    "fused": fused,
+    "compiled": compiled,
+    "fused_compiled": fused_compiled,
+}
 FROM_HIDDEN = {"head", "fused", "fused_compiled"}
 
 
@@ -97,7 +104,10 @@ def draw_inputs(tokens, vocab, hidden, device, dtype):
     ``hidden`` > 0, with logits of a few nats' spread (wider ones fill the softmax with denormals,
     slow on a CPU). Filled in place: a temporary copy would raise a memory baseline taken after."""
     shapes = [(tokens, hidden), (vocab, hidden)] if hidden else [(tokens, vocab)]
-    return [torch.empty(shape, device=device, dtype=getattr(torch, dtype)).normal_(0, hidden**-0.25 if hidden else 2.0) for shape in shapes]
+    return [
+        torch.empty(shape, device=device, dtype=getattr(torch, dtype)).normal_(0, hidden**-0.25 if hidden else 2.0)
+        for shape in shapes
+    ]
 
 
 def run_once(fn, inputs, labels, backward):
@@ -150,7 +160,10 @@ def main():
     p.add_argument("--hidden", type=int, default=0, help="> 0: from hidden states of this width through an LM head")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chunk-elements", type=positive_int, help="rows x vocab per chunk (default: refppo's)")
-    p.add_argument("--pair", help="the two variants compared, e.g. chunked,compiled (default: naive,chunked; head,fused with --hidden)")
+    p.add_argument(
+        "--pair",
+        help="the two variants compared, e.g. chunked,compiled (default: naive,chunked; head,fused with --hidden)",
+    )
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "BACKWARD"))
     a = p.parse_args()
     global CHUNK_ELEMENTS
@@ -162,27 +175,55 @@ def main():
     gen = torch.Generator().manual_seed(1)
     names = tuple(a.pair.split(",")) if a.pair else ("head", "fused") if a.hidden else ("naive", "chunked")
     if len(names) != 2 or not set(names) <= set(VARIANTS) or len({n in FROM_HIDDEN for n in names}) != 1:
-        p.error(f"--pair takes two of {', '.join(VARIANTS)}, both from logits or both from hidden states ({', '.join(sorted(FROM_HIDDEN))})")
+        p.error(
+            f"--pair takes two of {', '.join(VARIANTS)}, both from logits or both from hidden states "
+            f"({', '.join(sorted(FROM_HIDDEN))})"
+        )
     if (names[0] in FROM_HIDDEN) != bool(a.hidden):
         p.error("variants from hidden states need --hidden H > 0, the others --hidden 0")
     shapes = [(64, 32), (1000, 32)] if a.hidden else [(64, 1000)]  # hidden states and head, or logits
     small = [torch.randn(shape, generator=gen).to(a.device) for shape in shapes]
     labels = torch.randint(0, 1000, (64,), generator=gen).to(a.device)
     err = (VARIANTS[names[1]](*small, labels) - VARIANTS[names[0]](*small, labels)).abs().max().item()
-    print(f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
-          f"chunk_elements={a.chunk_elements or 'default'} threads={torch.get_num_threads()}  max |{names[1]} - {names[0]}| = {err:.1e}")
-    print(f"{'pass':<18}{names[0] + ' MiB':>11}{names[1] + ' MiB':>13}{'mem ratio':>11}{names[0] + ' ms':>10}{names[1] + ' ms':>12}{'speed-up':>10}")
+    print(
+        f"device={a.device} dtype={a.dtype} tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} "
+        f"chunk_elements={a.chunk_elements or 'default'} threads={torch.get_num_threads()}  max |{names[1]} - "
+        f"{names[0]}| = {err:.1e}"
+    )
+    print(
+        f"{'pass':<18}{names[0] + ' MiB':>11}{names[1] + ' MiB':>13}{'mem ratio':>11}"
+        f"{names[0] + ' ms':>10}{names[1] + ' ms':>12}{'speed-up':>10}"
+    )
     for backward in (False, True):
         res = {}
         for variant in names:
-            cmd = [sys.executable, __file__, "--device", a.device, "--dtype", a.dtype, "--tokens", str(a.tokens), "--vocab", str(a.vocab),
-                   "--hidden", str(a.hidden), "--repeats", str(a.repeats), "--child", variant, str(int(backward)),
-                   *(["--chunk-elements", str(a.chunk_elements)] if a.chunk_elements else [])]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--device",
+                a.device,
+                "--dtype",
+                a.dtype,
+                "--tokens",
+                str(a.tokens),
+                "--vocab",
+                str(a.vocab),
+                "--hidden",
+                str(a.hidden),
+                "--repeats",
+                str(a.repeats),
+                "--child",
+                variant,
+                str(int(backward)),
+                *(["--chunk-elements", str(a.chunk_elements)] if a.chunk_elements else []),
+            ]
             res[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         n, c = res[names[0]], res[names[1]]
         name = "fwd+bwd (-grad)" if backward else "forward"
-        print(f"{name:<18}{n['extra_mib']:>11.0f}{c['extra_mib']:>13.0f}{c['extra_mib'] / n['extra_mib']:>10.0%}"
-              f"{n['ms']:>10.0f}{c['ms']:>12.0f}{n['ms'] / c['ms']:>9.2f}x")
+        print(
+            f"{name:<18}{n['extra_mib']:>11.0f}{c['extra_mib']:>13.0f}{c['extra_mib'] / n['extra_mib']:>10.0%}"
+            f"{n['ms']:>10.0f}{c['ms']:>12.0f}{n['ms'] / c['ms']:>9.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ side's median over all its timed steps and ``speedup`` = the second side's media
 itself with the ``--plus`` overrides on one side (``refppo+``), e.g. to measure an option;
 ``--chunk-elements N`` gives that side another log-softmax block size (rows x vocab elements,
 ``refppo.accel.logprobs.CHUNK_ELEMENTS``; it matters where the log-softmax runs in blocks: on CUDA,
-or with ``actor.use_torch_compile`` or ``model.use_fused_kernels``), with or without ``--plus``. ``--cpu-bf16`` runs both
-sides' whole steps under the CPU's bf16 autocast (weights and optimisers float32), as both run on
-CUDA: whether a CPU with bf16 matrix instructions changes the comparison.
+or with ``actor.use_torch_compile`` or ``model.use_fused_kernels``), with or without ``--plus``.
+``--cpu-bf16`` runs both sides' whole steps under the CPU's bf16 autocast (weights and optimisers
+float32), as both run on CUDA: whether a CPU with bf16 matrix instructions changes the comparison.
 
 Workloads (issue 15):
 
@@ -66,29 +66,67 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_args import positive_int
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from bench_args import positive_int
 from refppo.accel import logprobs
-from refppo.config import Config, apply_overrides, validate
+from refppo.config import Config, apply_overrides
 from refppo.models import freeze, load_causal_lm, load_value_model, make_reference, tiny_config
+from refppo.settings import validate
 from refppo.trainer import PPOTrainer
 
 QWEN_05B = dict(
-    arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    intermediate_size=4864, vocab=151936, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
-)  # fmt: skip
+    arch="qwen2",
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab=151936,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+)
 WORKLOADS = {
-    "W1": dict(model=dict(arch="llama", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=4, vocab=512), prompts=16, prompt_len=16, response_len=32, epochs=1, minis=1),
-    "W2": dict(model=dict(arch="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=4, vocab=2048), prompts=32, prompt_len=16, response_len=64, epochs=2, minis=2),
+    "W1": dict(
+        model=dict(
+            arch="llama", hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, vocab=512
+        ),
+        prompts=16,
+        prompt_len=16,
+        response_len=32,
+        epochs=1,
+        minis=1,
+    ),
+    "W2": dict(
+        model=dict(
+            arch="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, vocab=2048
+        ),
+        prompts=32,
+        prompt_len=16,
+        response_len=64,
+        epochs=2,
+        minis=2,
+    ),
     "W3": dict(model=QWEN_05B, prompts=64, prompt_len=256, response_len=256, epochs=1, minis=1, micro=16),
     "Q": dict(model=QWEN_05B, prompts=256, prompt_len=512, response_len=512, epochs=1, minis=4, micro=8),
-    "V": dict(model=dict(arch="qwen2", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=4, vocab=QWEN_05B["vocab"]), prompts=16, prompt_len=16, response_len=64, epochs=1, minis=1),
-}  # fmt: skip
+    "V": dict(
+        model=dict(
+            arch="qwen2",
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab=QWEN_05B["vocab"],
+        ),
+        prompts=16,
+        prompt_len=16,
+        response_len=64,
+        epochs=1,
+        minis=1,
+    ),
+}
 
 
 def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -132,15 +170,28 @@ def workload_overrides(name: str, seed: int = 0, extra: tuple[str, ...] = ()) ->
     w = WORKLOADS[name]
     micro = w.get("micro")
     return [
-        f"data.train_batch_size={w['prompts']}", f"data.max_prompt_length={w['prompt_len']}",
-        f"data.max_response_length={w['response_len']}", "rollout.ignore_eos=true",
-        f"actor.ppo_mini_batch_size={w['prompts'] // w['minis']}", f"actor.ppo_epochs={w['epochs']}",
-        "algorithm.use_kl_in_reward=true", "trainer.critic_warmup=0", f"trainer.seed={seed}",
-        *([f"actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}",
-           f"rollout.log_prob_micro_batch_size_per_gpu={micro}", f"ref.log_prob_micro_batch_size_per_gpu={micro}",
-           f"reward_model.micro_batch_size_per_gpu={micro}"] if micro else []),
+        f"data.train_batch_size={w['prompts']}",
+        f"data.max_prompt_length={w['prompt_len']}",
+        f"data.max_response_length={w['response_len']}",
+        "rollout.ignore_eos=true",
+        f"actor.ppo_mini_batch_size={w['prompts'] // w['minis']}",
+        f"actor.ppo_epochs={w['epochs']}",
+        "algorithm.use_kl_in_reward=true",
+        "trainer.critic_warmup=0",
+        f"trainer.seed={seed}",
+        *(
+            [
+                f"actor.ppo_micro_batch_size_per_gpu={micro}",
+                f"critic.ppo_micro_batch_size_per_gpu={micro}",
+                f"rollout.log_prob_micro_batch_size_per_gpu={micro}",
+                f"ref.log_prob_micro_batch_size_per_gpu={micro}",
+                f"reward_model.micro_batch_size_per_gpu={micro}",
+            ]
+            if micro
+            else []
+        ),
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 RM_MICRO = "reward_model.micro_batch_size_per_gpu"
@@ -220,7 +271,8 @@ def time_trl(name: str, device: str, steps: int, on_step_end=None) -> dict:
     import datasets
     import transformers
     from transformers import PrinterCallback, TrainerCallback
-    from trl.experimental.ppo import PPOConfig, PPOTrainer as TRLPPOTrainer
+    from trl.experimental.ppo import PPOConfig
+    from trl.experimental.ppo import PPOTrainer as TRLPPOTrainer
 
     transformers.logging.set_verbosity_error()  # deprecation notes from TRL's calls into transformers
 
@@ -242,17 +294,37 @@ def time_trl(name: str, device: str, steps: int, on_step_end=None) -> dict:
     with tempfile.TemporaryDirectory() as out, precision, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' FutureWarnings, and var() of one value in TRL's logs
         args = PPOConfig(
-            output_dir=out, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=10**9,
-            num_sample_generations=0, seed=0, total_episodes=w["prompts"] * (steps + 1),
-            response_length=w["response_len"], stop_token=None, temperature=ref_config.rollout.temperature,
-            kl_coef=ref_config.algorithm.kl_ctrl.kl_coef, kl_estimator="k1", num_ppo_epochs=w["epochs"],
-            learning_rate=ref_config.actor.optim.lr, use_cpu=device == "cpu", **trl_sizes(name),
-            gradient_checkpointing=False, bf16=device == "cuda",  # TRL's defaults are True; refppo's off
-        )  # fmt: skip
+            output_dir=out,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=10**9,
+            num_sample_generations=0,
+            seed=0,
+            total_episodes=w["prompts"] * (steps + 1),
+            response_length=w["response_len"],
+            stop_token=None,
+            temperature=ref_config.rollout.temperature,
+            kl_coef=ref_config.algorithm.kl_ctrl.kl_coef,
+            kl_estimator="k1",
+            num_ppo_epochs=w["epochs"],
+            learning_rate=ref_config.actor.optim.lr,
+            use_cpu=device == "cpu",
+            **trl_sizes(name),
+            gradient_checkpointing=False,
+            bf16=device == "cuda",  # TRL's defaults are True; refppo's off
+        )
         trainer = TRLPPOTrainer(
-            args, m["tokenizer"], m["actor"], make_reference(m["actor"]), m["reward_model"], train,
-            m["critic"], eval_dataset=train.select(range(1)), callbacks=[StepTimes()],
-        )  # fmt: skip
+            args,
+            m["tokenizer"],
+            m["actor"],
+            make_reference(m["actor"]),
+            m["reward_model"],
+            train,
+            m["critic"],
+            eval_dataset=train.select(range(1)),
+            callbacks=[StepTimes()],
+        )
         trainer.remove_callback(PrinterCallback)  # it prints every step's metrics
         times[0] = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):  # its "===training policy===" banner
@@ -272,7 +344,10 @@ def device_info(device: str) -> dict:
         info["device"] = torch.cuda.get_device_name()
         try:
             info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=True
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             info["driver"] = None
@@ -282,15 +357,25 @@ def device_info(device: str) -> dict:
 
 
 def step_record(
-    steps_s: list[float], phases_s: dict, device: str, commit: str | None, overrides: list[str], chunk_elements: int | None
+    steps_s: list[float],
+    phases_s: dict,
+    device: str,
+    commit: str | None,
+    overrides: list[str],
+    chunk_elements: int | None,
 ) -> dict:
     """A step's result as ``benchmarks/results/q_step.json`` keeps it: the median of the timed
     steps (after warm-up), each step, the median phase times, the machine and the settings."""
     return {
-        "median_step_s": statistics.median(steps_s), "steps": steps_s, "phases_s": phases_s,
-        **device_info(device), "commit": commit, "date": time.strftime("%Y-%m-%d"),
-        "overrides": overrides, "chunk_elements": chunk_elements or logprobs.CHUNK_ELEMENTS[device],
-    }  # fmt: skip
+        "median_step_s": statistics.median(steps_s),
+        "steps": steps_s,
+        "phases_s": phases_s,
+        **device_info(device),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "overrides": overrides,
+        "chunk_elements": chunk_elements or logprobs.CHUNK_ELEMENTS[device],
+    }
 
 
 def set_chunk_elements(n: int | None) -> None:
@@ -301,7 +386,13 @@ def set_chunk_elements(n: int | None) -> None:
 
 
 def worker(
-    impl: str, name: str, device: str, steps: int, extra: tuple[str, ...], chunk_elements: int | None = None, cpu_bf16: bool = False
+    impl: str,
+    name: str,
+    device: str,
+    steps: int,
+    extra: tuple[str, ...],
+    chunk_elements: int | None = None,
+    cpu_bf16: bool = False,
 ) -> dict:
     """One implementation on one workload in this process, with its peak memory: CUDA, the
     peak allocated (weights included); CPU, the process's peak resident set. ``extra``: refppo's
@@ -316,14 +407,26 @@ def worker(
         r = time_trl(name, device, steps) if impl == "trl" else time_refppo(name, device, steps, extra)
     w = WORKLOADS[name]
     step = statistics.median(r["step_s_all"])
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return {
-        "impl": impl, "workload": name, "device": device, "overrides": [] if impl == "trl" else list(extra),
-        "chunk_elements": None if impl == "trl" else logprobs.CHUNK_ELEMENTS[device], "cpu_bf16": cpu_bf16, **r, "step_s": step,
+        "impl": impl,
+        "workload": name,
+        "device": device,
+        "overrides": [] if impl == "trl" else list(extra),
+        "chunk_elements": None if impl == "trl" else logprobs.CHUNK_ELEMENTS[device],
+        "cpu_bf16": cpu_bf16,
+        **r,
+        "step_s": step,
         "tokens_per_s": w["prompts"] * (w["prompt_len"] + w["response_len"]) / step,
-        "generated_tokens_per_s": w["prompts"] * w["response_len"] / r["phases_s"]["gen"] if "gen" in r["phases_s"] else None,
+        "generated_tokens_per_s": w["prompts"] * w["response_len"] / r["phases_s"]["gen"]
+        if "gen" in r["phases_s"]
+        else None,
         "peak_memory_gb": peak / 2**30,
-    }  # fmt: skip
+    }
 
 
 def in_subprocess(
@@ -340,7 +443,11 @@ def in_subprocess(
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--worker", "--impls", impl, "--workloads", name, "--device", device]
         cmd += ["--steps", str(steps), "--json", f.name, *(["--threads", str(threads)] if threads else [])]
-        cmd += [*(["--chunk-elements", str(chunk_elements)] if chunk_elements else []), *(["--cpu-bf16"] if cpu_bf16 else []), *extra]
+        cmd += [
+            *(["--chunk-elements", str(chunk_elements)] if chunk_elements else []),
+            *(["--cpu-bf16"] if cpu_bf16 else []),
+            *extra,
+        ]
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())[0]
 
@@ -398,9 +505,20 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--plus", default="", help='the refppo+ side\'s overrides, on top of the others, e.g. "model.use_fused_kernels=true"')
-    parser.add_argument("--chunk-elements", type=positive_int, default=None, help="the refppo+ side's log-softmax blocks (rows x vocab elements)")
-    parser.add_argument("--cpu-bf16", action="store_true", help="both sides under the CPU's bf16 autocast (--device cpu)")
+    parser.add_argument(
+        "--plus",
+        default="",
+        help='the refppo+ side\'s overrides, on top of the others, e.g. "model.use_fused_kernels=true"',
+    )
+    parser.add_argument(
+        "--chunk-elements",
+        type=positive_int,
+        default=None,
+        help="the refppo+ side's log-softmax blocks (rows x vocab elements)",
+    )
+    parser.add_argument(
+        "--cpu-bf16", action="store_true", help="both sides under the CPU's bf16 autocast (--device cpu)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
@@ -409,7 +527,9 @@ def main() -> None:
     impls, names = checked_choices(parser, args, ("refppo", "refppo+", "trl"))
     if len(impls) != len(set(impls)) or len(impls) > 2:
         parser.error("--impls: one or two different implementations")
-    if ("refppo+" in impls) != bool(args.plus or args.chunk_elements) and not args.worker:  # a worker gets refppo+'s among its own
+    if ("refppo+" in impls) != bool(
+        args.plus or args.chunk_elements
+    ) and not args.worker:  # a worker gets refppo+'s among its own
         parser.error("--plus and --chunk-elements change the refppo+ side: use refppo+ with one or both, or neither")
     if args.cpu_bf16 and args.device != "cpu":
         parser.error("--cpu-bf16 is for --device cpu (on CUDA both sides autocast to bf16 already)")
@@ -419,7 +539,11 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     if args.worker:
-        results = [worker(impls[0], names[0], args.device, args.steps, tuple(args.overrides), args.chunk_elements, args.cpu_bf16)]
+        results = [
+            worker(
+                impls[0], names[0], args.device, args.steps, tuple(args.overrides), args.chunk_elements, args.cpu_bf16
+            )
+        ]
     else:
         results = []
         for name in names:
@@ -434,7 +558,11 @@ def main() -> None:
                     print(
                         f"{name} {impl} round {round_ + 1}: {r['step_s']:.3f} s/step (min {min(r['step_s_all']):.3f}, "
                         f"max {max(r['step_s_all']):.3f}), {r['tokens_per_s']:.0f} tok/s, "
-                        + (f"generation {r['generated_tokens_per_s']:.0f} tok/s, " if r["generated_tokens_per_s"] else "")
+                        + (
+                            f"generation {r['generated_tokens_per_s']:.0f} tok/s, "
+                            if r["generated_tokens_per_s"]
+                            else ""
+                        )
                         + f"peak {r['peak_memory_gb']:.2f} GB, "
                         f"warm-up step {r['warmup_step_s']:.1f} s {'| ' + phases if phases else ''}",
                         flush=True,

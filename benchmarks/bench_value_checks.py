@@ -11,12 +11,11 @@ Usage: python benchmarks/bench_value_checks.py [--workload W2] [--micro 4] [--re
 import argparse
 import contextlib
 import statistics
-import time
 
 import torch
+from bench_ppo_step import WORKLOADS, build
 
 import refppo.trainer
-from bench_ppo_step import WORKLOADS, build
 
 
 def main() -> None:
@@ -41,9 +40,15 @@ def main() -> None:
             times[name].append(timing["timing_s/update_critic"] + timing["timing_s/update_actor"])
     refppo.trainer.value_checks = once
     rows = batch["response_mask"].shape[0]
-    print(f"{args.workload} {args.device}, {rows} rows, micro-batches of {args.micro}: update (critic + actor), median of {args.repeats}")
+    print(
+        f"{args.workload} {args.device}, {rows} rows, micro-batches of {args.micro}: update (critic + actor), median "
+        f"of {args.repeats}"
+    )
     for name, t in times.items():
-        print(f"  checks {name:18s} {statistics.median(t) * 1e3:8.1f} ms  (min {min(t) * 1e3:.1f}, max {max(t) * 1e3:.1f})")
+        print(
+            f"  checks {name:18s} {statistics.median(t) * 1e3:8.1f} ms  (min {min(t) * 1e3:.1f}, max "
+            f"{max(t) * 1e3:.1f})"
+        )
     ratio = statistics.median(times["every micro-batch"]) / statistics.median(times["once per step"])
     print(f"  every micro-batch / once per step: {ratio:.3f}")
 

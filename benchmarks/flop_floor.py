@@ -26,11 +26,10 @@ import json
 import statistics
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
-
 from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, result)
 from bench_ppo_step import checked_choices, time_refppo, time_trl
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 # Scaled-dot-product attention ops, forward (query first) and backward (gradient, then query).
@@ -45,7 +44,7 @@ ATTENTION = {
     aten._scaled_dot_product_flash_attention_backward: True,
     aten._scaled_dot_product_efficient_attention_backward: True,
     aten._scaled_dot_product_cudnn_attention_backward: True,
-}  # fmt: skip
+}
 
 
 def attention_flops(func, args) -> int:
@@ -144,20 +143,35 @@ def floor(impl: str, name: str, device: str, steps: int, replay_dtype=None) -> d
     extra = {}
     if replay_dtype is not None:
         with torch.no_grad():  # attention calls keep their recorded times
-            cast = sum(n * (seconds[key] if key[0]._overloadpacket in ATTENTION else replay_seconds(key, device, dtype=replay_dtype))
-                       for key, n in recorder.calls.items())
+            cast = sum(
+                n
+                * (
+                    seconds[key]
+                    if key[0]._overloadpacket in ATTENTION
+                    else replay_seconds(key, device, dtype=replay_dtype)
+                )
+                for key, n in recorder.calls.items()
+            )
         extra = {"replay_dtype": str(replay_dtype), "floor_s_replay_dtype": cast}
     flops = sum(n * recorder.flops[key] for key, n in recorder.calls.items())
     slowest = sorted(total, key=total.get, reverse=True)[:5]
     return {
-        "impl": impl, "workload": name, "device": device, "threads": torch.get_num_threads(),
-        "gflop_per_step": flops / 1e9, "calls": sum(recorder.calls.values()), "distinct_calls": len(recorder.calls),
-        "floor_s": floor_s, "floor_gflop_per_s": flops / 1e9 / floor_s, "step_s": step_s,
+        "impl": impl,
+        "workload": name,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "gflop_per_step": flops / 1e9,
+        "calls": sum(recorder.calls.values()),
+        "distinct_calls": len(recorder.calls),
+        "floor_s": floor_s,
+        "floor_gflop_per_s": flops / 1e9 / floor_s,
+        "step_s": step_s,
         "floor_share_of_step": floor_s / step_s,
-        "slowest": [f"{k[0]} {[a[1] for a in k[1] if _is_tensor(a)]} "
-                    f"x{recorder.calls[k]}: {total[k]:.3f} s" for k in slowest],
+        "slowest": [
+            f"{k[0]} {[a[1] for a in k[1] if _is_tensor(a)]} x{recorder.calls[k]}: {total[k]:.3f} s" for k in slowest
+        ],
         **extra,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -168,8 +182,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--replay-dtype", default=None, choices=["bfloat16", "float16"],
-                        help="also replay the matrix products in this dtype: the floor if the step ran them so")
+    parser.add_argument(
+        "--replay-dtype",
+        default=None,
+        choices=["bfloat16", "float16"],
+        help="also replay the matrix products in this dtype: the floor if the step ran them so",
+    )
     args = parser.parse_args()
     replay_dtype = getattr(torch, args.replay_dtype) if args.replay_dtype else None
     impls, names = checked_choices(parser, args)
@@ -188,8 +206,10 @@ def main() -> None:
                 flush=True,
             )
             if replay_dtype is not None:
-                print(f"    the products in {args.replay_dtype}: {r['floor_s_replay_dtype']:.3f} s "
-                      f"({r['floor_s'] / r['floor_s_replay_dtype']:.2f}x the recorded dtypes' speed)")
+                print(
+                    f"    the products in {args.replay_dtype}: {r['floor_s_replay_dtype']:.3f} s "
+                    f"({r['floor_s'] / r['floor_s_replay_dtype']:.2f}x the recorded dtypes' speed)"
+                )
             for line in r["slowest"]:
                 print("   ", line)
     if args.json:

@@ -22,28 +22,79 @@ import json
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from bench_args import positive_int
 from bench_ppo_step import WORKLOADS, build, set_chunk_elements
+from torch.profiler import ProfilerActivity, profile
 
 # (kind of work, aten operator names), the first that names an operator wins
 KINDS = (
     ("matrix products", {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot", "_scaled_mm"}),
-    ("attention", {"scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",
-                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                   "_scaled_dot_product_flash_attention_for_cpu", "_efficient_attention_forward",
-                   "_efficient_attention_backward", "_flash_attention_forward", "_flash_attention_backward",
-                   "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention_backward",
-                   "_scaled_dot_product_flash_attention_for_cpu_backward"}),
-    ("softmax and sampling", {"logsumexp", "log_softmax", "_log_softmax", "softmax", "_softmax", "_softmax_backward_data",
-                              "_log_softmax_backward_data", "gather", "scatter_add_", "scatter_add", "multinomial",
-                              "topk", "sort", "cumsum", "argmax"}),
-    ("copies and casts", {"copy_", "_to_copy", "clone", "cat", "stack", "index", "index_select", "repeat_interleave",
-                          "index_put_", "_index_put_impl_", "masked_select", "contiguous", "to"}),
-)  # fmt: skip
-COLUMNS = ("matrix products", "attention", "softmax and sampling", "copies and casts", "elementwise and other",
-           "optimizer", "compiled code", "autograd engine")  # fmt: skip
+    (
+        "attention",
+        {
+            "scaled_dot_product_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_efficient_attention_forward",
+            "_efficient_attention_backward",
+            "_flash_attention_forward",
+            "_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_flash_attention_for_cpu_backward",
+        },
+    ),
+    (
+        "softmax and sampling",
+        {
+            "logsumexp",
+            "log_softmax",
+            "_log_softmax",
+            "softmax",
+            "_softmax",
+            "_softmax_backward_data",
+            "_log_softmax_backward_data",
+            "gather",
+            "scatter_add_",
+            "scatter_add",
+            "multinomial",
+            "topk",
+            "sort",
+            "cumsum",
+            "argmax",
+        },
+    ),
+    (
+        "copies and casts",
+        {
+            "copy_",
+            "_to_copy",
+            "clone",
+            "cat",
+            "stack",
+            "index",
+            "index_select",
+            "repeat_interleave",
+            "index_put_",
+            "_index_put_impl_",
+            "masked_select",
+            "contiguous",
+            "to",
+        },
+    ),
+)
+COLUMNS = (
+    "matrix products",
+    "attention",
+    "softmax and sampling",
+    "copies and casts",
+    "elementwise and other",
+    "optimizer",
+    "compiled code",
+    "autograd engine",
+)
 
 
 def kind(name: str, in_optimizer: bool) -> str | None:
@@ -54,7 +105,9 @@ def kind(name: str, in_optimizer: bool) -> str | None:
         in_optimizer: the event runs inside an optimiser's step or zero_grad (its profiler range),
             or it is gradient clipping's ``_foreach`` arithmetic.
     """
-    if name.startswith(("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph", "cpp_fused", "triton_")):
+    if name.startswith(
+        ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph", "cpp_fused", "triton_")
+    ):
         return "compiled code"
     if name.startswith("autograd::engine") or name.endswith(("Backward0", "Backward1")):
         return "autograd engine"
@@ -96,7 +149,9 @@ def phase_table(events, walls: dict[str, float], device: str) -> dict[str, dict[
         key=lambda p: p[0],
     )
     optimizer_spans = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Optimizer.")]
-    table = {name: {"wall": walls[name], "busy": 0.0, **dict.fromkeys(COLUMNS, 0.0), "kernels": 0} for _, _, name in phases}
+    table = {
+        name: {"wall": walls[name], "busy": 0.0, **dict.fromkeys(COLUMNS, 0.0), "kernels": 0} for _, _, name in phases
+    }
     for e, work in operators(events, device):
         start = e.time_range.start
         phase = next((name for a, b, name in phases if a <= start <= b), None)
@@ -142,8 +197,16 @@ def profile_step(trainer, device: str, warmup: int = 1):
 
 def render(table: dict[str, dict[str, float]], device: str) -> str:
     """The phase table as text: seconds of each kind of work, and busy as a share of wall."""
-    short = {"matrix products": "matmul", "attention": "attn", "softmax and sampling": "softmax", "copies and casts": "copy",
-             "elementwise and other": "other", "optimizer": "optim", "compiled code": "compiled", "autograd engine": "autograd"}  # fmt: skip
+    short = {
+        "matrix products": "matmul",
+        "attention": "attn",
+        "softmax and sampling": "softmax",
+        "copies and casts": "copy",
+        "elementwise and other": "other",
+        "optimizer": "optim",
+        "compiled code": "compiled",
+        "autograd engine": "autograd",
+    }
     busy = "GPU busy" if device == "cuda" else "in ops"
     head = f"{'phase':<22}{'wall s':>8}{busy:>10}" + "".join(f"{short[k]:>10}" for k in COLUMNS) + f"{'kernels':>9}"
     lines = [head]
@@ -162,7 +225,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--top", type=int, default=15, help="operators listed by their work")
     parser.add_argument("--json", default=None, help="also write the tables here")
-    parser.add_argument("--chunk-elements", type=positive_int, default=None, help="refppo's log-softmax blocks (rows x vocab elements)")
+    parser.add_argument(
+        "--chunk-elements", type=positive_int, default=None, help="refppo's log-softmax blocks (rows x vocab elements)"
+    )
     parser.add_argument("overrides", nargs="*", help="refppo config overrides, e.g. rollout.cuda_graphs=true")
     args = parser.parse_args()
     names = args.workloads.split(",")
@@ -179,7 +244,10 @@ def main() -> None:
         walls = {k: v for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"}
         table = phase_table(events, walls, args.device)
         top = top_operators(events, args.device, args.top)
-        print(f"{name} on {args.device}, step {metrics['timing_s/step']:.3f} s (profiled; the profiler adds its own overhead)")
+        print(
+            f"{name} on {args.device}, step {metrics['timing_s/step']:.3f} s (profiled; the profiler adds its own "
+            "overhead)"
+        )
         print(render(table, args.device))
         print("top operators by work: " + "; ".join(f"{op} {s:.3f} s ({n} calls)" for op, s, n in top), flush=True)
         out[name] = {"step_s": metrics["timing_s/step"], "phases": table, "top": top}

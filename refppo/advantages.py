@@ -5,7 +5,7 @@ All tensors are response-only, shape ``(batch, response_len)``; see design secti
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

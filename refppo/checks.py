@@ -36,9 +36,7 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
     name0, t0 = items[0]
     for name, t in items[1:]:
         if t.shape != t0.shape:
-            raise ValueError(
-                f"shape mismatch: {name} has shape {tuple(t.shape)} but {name0} has {tuple(t0.shape)}"
-            )
+            raise ValueError(f"shape mismatch: {name} has shape {tuple(t.shape)} but {name0} has {tuple(t0.shape)}")
 
 
 def check_ndim(name: str, t: torch.Tensor, ndim: int) -> None:

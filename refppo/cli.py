@@ -12,7 +12,6 @@ the merged model, and ``<run>/actor_adapter`` holds the adapter alone). Examples
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -20,65 +19,34 @@ from pathlib import Path
 import torch
 
 from refppo.advantages import needs_critic
-from refppo.config import (
-    RANGES, Config, apply_overrides, choices, config_to_dict, format_value, get_value, ignored_message, ignored_settings,
-    leaf_keys, validate,
-)  # fmt: skip
+from refppo.config import COMMANDS, Config, apply_overrides, declarations, get_value
 from refppo.data import sft_examples, task_data
 from refppo.device import resolve_device
 from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
 from refppo.prompts import tokenize_prompts
 from refppo.runs import RunFolder, check_free, check_resume, summary
+from refppo.settings import format_value, ignored_message, ignored_settings, read_settings, valid_text, validate
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
-COMMANDS = ("sft", "rm", "ppo")
-_RUN_BASICS = ("trainer.seed", "trainer.device", "trainer.output_dir", "trainer.progress_bar")
-_TINY_MODEL = ("model.arch", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads", "model.num_key_value_heads")
-# Why a command leaves a setting unread, where "a setting of refppo ppo" would not say it.
-_UNREAD_BECAUSE = {
-    "model.lora_rank": "it trains every weight", "model.lora_alpha": "it trains every weight",
-    "trainer.resume": "it saves no checkpoints", "model.use_fused_kernels": "it trains a scalar head, with no vocabulary to fuse",
-    "sft.teacher_carry_error": "only arithmetic has a teacher who forgets the carry",
-    "data.val_size": "it holds out problems only for data.task=arithmetic",
-}  # fmt: skip
 
-
-def read_settings(command: str, config: Config) -> list[str]:
-    """The dotted keys ``refppo <command>`` may read with ``config`` (its task and ``model.path``
-    decide some; :func:`refppo.config.ignored_settings` names the ones another setting turns
-    off): any other override would be ignored, so :func:`main` refuses it.
-
-    Args:
-        command: "sft", "rm" or "ppo".
-        config: the settings after the overrides.
-    """
-    keys = leaf_keys(config)
-    if command == "ppo":  # it loads model.path, whose shape it keeps
-        return [k for k in keys if not k.startswith(("sft.", "rm.")) and k not in _TINY_MODEL]
-    if command == "rm":
-        return ["data.task", "model.path", "model.enable_gradient_checkpointing", *[k for k in keys if k.startswith("rm.")], *_RUN_BASICS]
-    arithmetic = config.data.task == "arithmetic"
-    return [
-        "data.task", *(["data.val_size"] if arithmetic else []), "model.path", "model.use_fused_kernels",
-        "model.enable_gradient_checkpointing",
-        *([] if config.model.path else _TINY_MODEL),
-        *[k for k in keys if k.startswith("sft.") and (arithmetic or k != "sft.teacher_carry_error")], *_RUN_BASICS,
-    ]  # fmt: skip
-
-
-def settings_help(command: str) -> str:
-    """``refppo <command> --help``: every setting the command reads with its defaults (for sft: the
-    arithmetic task and a fresh tiny model), as ``key=default`` with the valid values, and for a
-    setting the defaults turn off, what turns it on."""
-    config = Config()
-    config.trainer.output_dir = f"runs/{command}"
-    named, ignored = choices(), ignored_settings(config)
+def settings_help(command: str, config: Config | None = None) -> str:
+    """``refppo <command> --help``: every setting the command reads with its defaults (those of
+    ``config``, by default ``Config()``: for sft the arithmetic task and a fresh tiny model), as
+    ``key=default`` with the valid values, and for a setting the defaults turn off, what turns it on."""
+    if config is None:
+        config = Config()
+        config.trainer.output_dir = f"runs/{command}"
+    declared, ignored = declarations(config), ignored_settings(config, command)
     rows = []
     for key in read_settings(command, config):
-        valid = " | ".join(named[key]) if key in named else RANGES.get(key, "")
         note = f"(read only with {ignored[key]})" if key in ignored else ""
-        rows.append((f"{key}={format_value(get_value(config, key))}", "  ".join(filter(None, [valid, note]))))
+        rows.append(
+            (
+                f"{key}={format_value(get_value(config, key))}",
+                "  ".join(filter(None, [valid_text(declared[key]), note])),
+            )
+        )
     width = max(len(setting) for setting, _ in rows) + 2
     lines = [f"usage: refppo {command} [key=value ...]", "", "settings (key=default, then the valid values):"]
     return "\n".join(lines + [f"  {setting.ljust(width)}{valid}".rstrip() for setting, valid in rows])
@@ -86,31 +54,28 @@ def settings_help(command: str) -> str:
 
 def check_overrides_are_read(command: str, config: Config, overrides: list[str]) -> None:
     """Refuse an override that ``refppo <command>`` would ignore, naming why: a setting of another
-    command, or one that another setting turns off (:func:`refppo.config.ignored_settings`).
+    command, or one that another setting turns off (:func:`refppo.settings.ignored_settings`).
 
     Args:
         command: "sft", "rm" or "ppo".
         config: the settings after the overrides.
         overrides: the ``key=value`` texts given.
     """
-    read, ignored = read_settings(command, config), ignored_settings(config)
+    declared, read, ignored = declarations(config), read_settings(command, config), ignored_settings(config, command)
     for item in overrides:
         key = item.partition("=")[0].strip()
-        if key in read and key in ignored:
+        if key in ignored:
             raise ValueError(f"refppo {command}: " + ignored_message(item.strip(), key, ignored[key]))
         if key in read:
             continue
         section = key.split(".")[0]
-        if key in _UNREAD_BECAUSE:
-            why = _UNREAD_BECAUSE[key]
-        elif key in _TINY_MODEL:
-            why = "the model's shape comes from model.path"
-        elif section in ("sft", "rm"):
-            why = f"it is a setting of refppo {section}"
-        elif any(k.startswith(section + ".") for k in read):
-            why = f"of {section}.* it reads {', '.join(k for k in read if k.startswith(section + '.'))}"
+        same_section = [k for k in read if k.startswith(section + ".")]
+        if declared[key].unread_because:
+            why = declared[key].unread_because
+        elif same_section:
+            why = f"of {section}.* it reads {', '.join(same_section)}"
         else:
-            why = "it is a setting of refppo ppo"
+            why = "it is a setting of " + " and ".join(f"refppo {c}" for c in declared[key].commands)
         raise ValueError(f"refppo {command} does not read {key} ({why}): drop it")
 
 
@@ -121,26 +86,6 @@ def load_tokenizer(path: str | None):
 
         return prepare_tokenizer(AutoTokenizer.from_pretrained(path))
     return build_tokenizer()
-
-
-def load_reward_fn(spec: str):
-    """Import ``package.module:function``, looking in the working directory too (as ``python -m``
-    does)."""
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"reward_model.reward_fn={spec!r} must look like package.module:function")
-    if os.getcwd() not in sys.path and "" not in sys.path:  # the refppo script, unlike python -m, lacks it
-        sys.path.insert(0, os.getcwd())
-    try:
-        imported = importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if error.name is None or not (module == error.name or module.startswith(error.name + ".")):
-            raise  # the module was found; something it imports was not
-        raise ValueError(f"reward_model.reward_fn={spec!r}: no module named {error.name!r}") from error
-    fn = getattr(imported, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward_model.reward_fn={spec!r}: {module} has no function {name!r}")
-    return fn
 
 
 def _save_model(model, tokenizer, folder: Path) -> None:
@@ -172,9 +117,17 @@ def run_sft(config: Config, make_run) -> None:
     s, examples = config.sft, sft_examples(config)
     run = make_run()
     train_sft(
-        model, tokenizer, examples, s.steps, s.batch_size, s.lr, config.trainer.seed, run.log, config.trainer.progress_bar,
+        model,
+        tokenizer,
+        examples,
+        s.steps,
+        s.batch_size,
+        s.lr,
+        config.trainer.seed,
+        run.log,
+        config.trainer.progress_bar,
         log_probs_fn=select(config, device).actor.log_probs,
-    )  # fmt: skip
+    )
     _save_model(model, tokenizer, run.path / "model")
 
 
@@ -196,7 +149,9 @@ def run_rm(config: Config, make_run) -> None:
     r = config.rm
     pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
     run = make_run()
-    train_reward_model(rm, tokenizer, pairs, r.steps, r.batch_size, r.lr, config.trainer.seed, run.log, config.trainer.progress_bar)
+    train_reward_model(
+        rm, tokenizer, pairs, r.steps, r.batch_size, r.lr, config.trainer.seed, run.log, config.trainer.progress_bar
+    )
     if r.center:
         prompts, responses = zip(*preference.make_sft_examples(512, seed=config.trainer.seed + 20))
         center_reward_model(rm, tokenizer, list(prompts), list(responses))
@@ -207,7 +162,9 @@ def run_ppo(config: Config, make_run) -> None:
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
-    from refppo.trainer import PPOTrainer, check_scores, describe, fit
+    from refppo.fit import fit
+    from refppo.reward_fns import check_scores, describe, load_reward_fn
+    from refppo.trainer import PPOTrainer
 
     if config.model.path is None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
@@ -227,7 +184,9 @@ def run_ppo(config: Config, make_run) -> None:
         reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device, require_head=True))
     reward_fn = load_reward_fn(rm_cfg.reward_fn) if rm_cfg.reward_fn else task_reward
     if reward_fn is None and reward_model is None:
-        raise ValueError("data.task=file needs reward_model.reward_fn=package.module:function or reward_model.enable=true")
+        raise ValueError(
+            "data.task=file needs reward_model.reward_fn=package.module:function or reward_model.enable=true"
+        )
     if reward_fn is not None:  # a reward function that cannot score is found before the run folder exists
         probe, d = val[:2], config.data
         ids, _ = tokenize_prompts(tokenizer, [r[d.prompt_key] for r in probe], d.max_prompt_length, d.truncation)
@@ -236,7 +195,15 @@ def run_ppo(config: Config, make_run) -> None:
     # With a learned reward, the task's own rule is the gold score: report it, never train on it.
     extras = {"gold": task_reward} if reward_model is not None and task_reward is not None else None
     trainer = PPOTrainer(
-        config, tokenizer, actor, critic, train, val, reward_fn=reward_fn, reward_model=reward_model, extra_reward_fns=extras
+        config,
+        tokenizer,
+        actor,
+        critic,
+        train,
+        val,
+        reward_fn=reward_fn,
+        reward_model=reward_model,
+        extra_reward_fns=extras,
     )
     run = make_run()
     if run.resume is not None:
@@ -263,7 +230,9 @@ def run_plot(argv: list[str]) -> int:
         "with a min-max band).",
     )
     parser.add_argument("runs", nargs="+", metavar="RUN")
-    parser.add_argument("-m", "--metric", action="append", required=True, help="a metric key, e.g. val/score (repeat for more panels)")
+    parser.add_argument(
+        "-m", "--metric", action="append", required=True, help="a metric key, e.g. val/score (repeat for more panels)"
+    )
     parser.add_argument("-o", "--out", required=True, help="the image to write (.png, .pdf, .svg)")
     parser.add_argument("--x", choices=XS, default="step", help="step, or seconds spent in training steps")
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over this many logged points")
@@ -319,8 +288,11 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     if not argv or argv[0] not in COMMANDS:
         out = sys.stdout if asked else sys.stderr
         print(__doc__, file=out)
-        print(f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]   (refppo COMMAND --help: its settings)\n"
-              "       refppo plot RUN [RUN ...] -m METRIC -o FILE", file=out)  # fmt: skip
+        print(
+            f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]   (refppo COMMAND --help: its settings)\n"
+            "       refppo plot RUN [RUN ...] -m METRIC -o FILE",
+            file=out,
+        )
         return 0 if asked else 2
     command, overrides = argv[0], argv[1:]
     if "-h" in overrides or "--help" in overrides:
@@ -329,13 +301,14 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     config = Config()
     config.trainer.output_dir = f"runs/{command}"
     check_overrides_are_read(command, apply_overrides(config, overrides), overrides)
-    validate(config)
+    validate(config, command)
     out = config.trainer.output_dir
     # Before any work: a run is never written over another, and a resume finds a checkpoint
     # that loads and the same settings (an empty or missing folder starts fresh).
     resume = check_resume(out, config) if config.trainer.resume else None
     if resume is None:
         check_free(out)
+
     # Each command loads everything that can fail (models, data, reward function) first and
     # only then creates the run folder.
     def folder() -> RunFolder:
@@ -346,6 +319,7 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, folder)
     print(summary(out))
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(entry())

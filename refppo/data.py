@@ -120,7 +120,11 @@ def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], o
         as_records = lambda ps: [{"prompt": p.prompt, "answer": p.answer} for p in ps]  # noqa: E731
         return as_records(train), as_records(held), arithmetic.exact_match_reward
     if d.task == "preference":
-        return preference.make_prompts(4000, seed=1), preference.make_prompts(d.val_size, seed=2), preference.gold_reward
+        return (
+            preference.make_prompts(4000, seed=1),
+            preference.make_prompts(d.val_size, seed=2),
+            preference.gold_reward,
+        )
     limit = d.max_prompt_length if d.truncation == "error" else None
     train = load_records(d.train_files, d.prompt_key, tokenizer, limit)
     val = load_records(d.val_files, d.prompt_key, tokenizer, limit) if d.val_files else train[: d.val_size]
@@ -132,7 +136,9 @@ def sft_examples(config: Config) -> list[tuple[str, str]]:
     if config.data.task == "arithmetic":
         train, _ = arithmetic.make_problems(n_heldout=config.data.val_size)
         teacher_seed = config.trainer.seed
-        return arithmetic.make_demonstrations(train[: config.sft.n_examples], config.sft.teacher_carry_error, teacher_seed)
+        return arithmetic.make_demonstrations(
+            train[: config.sft.n_examples], config.sft.teacher_carry_error, teacher_seed
+        )
     if config.data.task == "preference":
         return preference.make_sft_examples(config.sft.n_examples or 4000, seed=3)
     raise ValueError("refppo sft builds its data from data.task=arithmetic or preference")

@@ -197,7 +197,9 @@ class ForwardPasses:
         return tuple(parts) if calculate_entropy else parts[0]
 
     @torch.no_grad()
-    def compute_values(self, critic, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None) -> torch.Tensor:
+    def compute_values(
+        self, critic, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None
+    ) -> torch.Tensor:
         """The critic's values of a rollout, without gradients.
 
         Args:

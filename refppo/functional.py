@@ -68,50 +68,6 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return variance
 
 
-def masked_corr(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Pearson correlation of ``x`` and ``y`` over the positions where ``mask`` is 1.
-
-    verl's ``training/rollout_actor_probs_pearson_corr`` (``torch.corrcoef`` of the masked
-    values), without gathering them, so no host sync.
-
-    Args:
-        x, y: (*shape) tensors.
-        mask: (*shape) tensor of 0/1.
-
-    Returns:
-        Scalar tensor in [-1, 1]; NaN when ``x`` or ``y`` is constant over the mask, as
-        ``torch.corrcoef`` gives.
-
-    Raises:
-        ValueError: shapes differ, or fewer than 2 valid positions.
-    """
-    check_same_shape(x=x, y=y, mask=mask)
-    check_values(min_valid=("mask", mask, 2))
-    dx = x - masked_mean(x, mask)
-    dy = y - masked_mean(y, mask)
-    covariance = masked_mean(dx * dy, mask)
-    return (covariance / (masked_mean(dx * dx, mask) * masked_mean(dy * dy, mask)).sqrt()).clamp(-1.0, 1.0)
-
-
-def masked_max_min(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest and smallest of ``values`` where ``mask`` is 1 (no host sync).
-
-    Args:
-        values: (*shape) floating tensor.
-        mask: (*shape) tensor of 0/1 with at least one 1.
-
-    Returns:
-        (max, min) scalar tensors.
-
-    Raises:
-        ValueError: shapes differ, or no valid position.
-    """
-    check_same_shape(values=values, mask=mask)
-    check_values(min_valid=("mask", mask, 1))
-    valid = mask.bool()
-    return values.masked_fill(~valid, -torch.inf).max(), values.masked_fill(~valid, torch.inf).min()
-
-
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Normalise ``values`` to zero mean and unit variance over the mask (verl's masked_whiten).
 

@@ -83,9 +83,7 @@ def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_t
     mask = attention_mask.long()
     bad = ((mask != 0) & (mask != 1)).any() | (mask.diff(dim=1) < 0).any() | (mask[:, -1] != 1).any()
     if bool(bad):
-        raise ValueError(
-            "attention_mask must be 0/1 with prompts left-padded (every row ends with a real token)"
-        )
+        raise ValueError("attention_mask must be 0/1 with prompts left-padded (every row ends with a real token)")
 
 
 def cache_argument(model) -> str:
@@ -155,8 +153,13 @@ def generate(
     tokens, valid, log_probs = [], [], []
     # 1. prefill: the prompts in one pass, filling the cache; only the last position's logits
     with autocast(device):
-        out = model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions[:, :width],
-                    use_cache=True, logits_to_keep=1)  # fmt: skip
+        out = model(
+            input_ids=prompts,
+            attention_mask=prompt_mask,
+            position_ids=positions[:, :width],
+            use_cache=True,
+            logits_to_keep=1,
+        )
     for t in range(max_new_tokens):
         # 2. sample a token per row and record its log-prob; a finished row gets pad
         token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
@@ -171,8 +174,13 @@ def generate(
         # 4. append: the sampled tokens through the model, attending to the cache
         end = width + t + 1
         with autocast(device):
-            out = model(input_ids=tokens[-1][:, None], attention_mask=mask[:, :end], position_ids=positions[:, end - 1 : end],
-                        use_cache=True, **{cache_key: getattr(out, cache_key)})  # fmt: skip
+            out = model(
+                input_ids=tokens[-1][:, None],
+                attention_mask=mask[:, :end],
+                position_ids=positions[:, end - 1 : end],
+                use_cache=True,
+                **{cache_key: getattr(out, cache_key)},
+            )
     valid = torch.stack(valid, dim=1).long()
     batch = sequence_batch(prompts, prompt_mask, torch.stack(tokens, dim=1), valid)
     return batch | {

@@ -170,9 +170,7 @@ class PPOPaperKLController:
 KL_CONTROLLER_TYPES = ("fixed", "adaptive", "ppo_paper")
 
 
-def get_kl_controller(
-    type: str, kl_coef: float, target_kl: float | None = None, horizon: float | None = None
-):
+def get_kl_controller(type: str, kl_coef: float, target_kl: float | None = None, horizon: float | None = None):
     """Build the controller named by ``algorithm.kl_ctrl.type``.
 
     Args:

@@ -112,30 +112,6 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     return (micro_mask.sum(dim=-1) > 0).sum().to(dtype) / (mini_mask.sum(dim=-1) > 0).sum()
 
 
-def compute_rollout_is_weights(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, threshold: float
-) -> torch.Tensor:
-    """Truncated importance weights of the trainer's policy against the sampler's, per token
-    (verl's token-level ``compute_rollout_correction_weights``): min(exp(clamp(log pi_old -
-    log pi_rollout, -20, 20)), threshold), 0 on padding. The bound keeps every weight finite
-    (exp(20) at most) even with ``threshold=inf``.
-
-    Args:
-        old_log_prob: (batch, T) log pi_old of the sampled tokens, the trainer's recomputation.
-        rollout_log_prob: (batch, T) log pi_rollout of the same tokens, recorded by the sampler.
-        response_mask: (batch, T) 0/1.
-        threshold: C > 0, the truncation.
-
-    Returns:
-        (batch, T) weights in [0, C], no gradient.
-    """
-    if not threshold > 0:
-        raise ValueError(f"the truncation threshold must be > 0, got {threshold}")
-    check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
-    log_ratio = torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0)
-    return (torch.exp(log_ratio) * response_mask).clamp(max=threshold).detach()
-
-
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -273,9 +249,18 @@ def clip_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`compute_policy_loss` (all tensors (batch, T)) with its statistics named as verl logs them."""
     loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-        old_log_prob, log_prob, advantages, response_mask, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-        loss_agg_mode, rollout_is_weights, loss_scale_factor,
-    )  # fmt: skip
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        rollout_is_weights,
+        loss_scale_factor,
+    )
     return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
 
 
@@ -292,9 +277,15 @@ def penalty_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`compute_ppo_penalty_loss` (all tensors (batch, T)); its KL estimate logged as actor/ppo_kl."""
     loss, kl = compute_ppo_penalty_loss(
-        old_log_prob, log_prob, advantages, response_mask, penalty_kl_coef, penalty_kl_type, loss_agg_mode,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        penalty_kl_coef,
+        penalty_kl_type,
+        loss_agg_mode,
         loss_scale_factor,
-    )  # fmt: skip
+    )
     return loss, {"actor/ppo_kl": kl}
 
 

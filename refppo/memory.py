@@ -129,7 +129,12 @@ def float32_values_per_token(config, checkpointing: bool = False) -> int:
 
 
 def activation_bytes(
-    config, tokens: int, logit_tokens: int, bytes_per_value: int = 2, seq_len: int | None = None, checkpointing: bool = False
+    config,
+    tokens: int,
+    logit_tokens: int,
+    bytes_per_value: int = 2,
+    seq_len: int | None = None,
+    checkpointing: bool = False,
 ) -> int:
     """Bytes of activations a training step holds: what the forward pass keeps for the backward
     pass and, with activation checkpointing, one layer's values while the backward pass
@@ -225,7 +230,9 @@ class PeakMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):

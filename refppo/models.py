@@ -181,7 +181,10 @@ def value_head_name(model: PreTrainedModel) -> str:
     for name in VALUE_HEAD_NAMES:
         if isinstance(getattr(model, name, None), torch.nn.Linear):
             return name
-    raise ValueError(f"{type(model).__name__} has no Linear head named {' or '.join(VALUE_HEAD_NAMES)}: add its name to VALUE_HEAD_NAMES")
+    raise ValueError(
+        f"{type(model).__name__} has no Linear head named {' or '.join(VALUE_HEAD_NAMES)}: add its name to "
+        "VALUE_HEAD_NAMES"
+    )
 
 
 def value_head(model: PreTrainedModel) -> torch.nn.Linear:

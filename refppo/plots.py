@@ -1,6 +1,6 @@
 """Several runs' metrics side by side: the chapters' learning curves and ``refppo plot``.
 
-A run is its list of per-step metric dicts (what :func:`refppo.trainer.fit` returns, or a run
+A run is its list of per-step metric dicts (what :func:`refppo.fit.fit` returns, or a run
 folder's ``metrics.jsonl`` read by :func:`refppo.runs.load_metrics`). Runs that differ only by
 seed form a group: its curve is the mean over the seeds at the x values every seed logged,
 with a band from the lowest to the highest seed.
@@ -88,11 +88,20 @@ def check_keys(runs: Mapping[str, list[History]], keys: Sequence[str]) -> None:
             for key in keys:
                 if key not in logged:
                     close = difflib.get_close_matches(key, sorted(logged), n=4, cutoff=0.4)
-                    hint = f"; closest: {', '.join(close)}" if close else f"; it logged: {', '.join(sorted(logged)[:12])}"
+                    hint = (
+                        f"; closest: {', '.join(close)}" if close else f"; it logged: {', '.join(sorted(logged)[:12])}"
+                    )
                     raise ValueError(f"run {name!r} never logged {key!r}{hint}")
 
 
-def plot_runs(runs: Mapping, keys: Sequence[str], x: str = "step", smooth: int = 1, titles: Mapping[str, str] | None = None, ncols: int = 3):
+def plot_runs(
+    runs: Mapping,
+    keys: Sequence[str],
+    x: str = "step",
+    smooth: int = 1,
+    titles: Mapping[str, str] | None = None,
+    ncols: int = 3,
+):
     """One panel per metric, one curve per run (or per group of seeds, with its min-max band).
 
     Args:

@@ -54,8 +54,12 @@ def prompt_problem(prompt, tokenizer=None) -> str | None:
         return None
     if isinstance(prompt, dict):
         return "is one message, not a chat: a chat is a list of messages"
-    if not isinstance(prompt, (list, tuple)) or not prompt or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    if (
+        not isinstance(prompt, (list, tuple))
+        or not prompt
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
     ):
         return 'is neither a text nor a chat (a non-empty list of {"role": ..., "content": ...} messages, strings)'
     if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
@@ -161,7 +165,9 @@ def sequence_batch(prompts, prompt_mask, responses, response_mask) -> dict[str, 
     }
 
 
-def build_batch(tokenizer, prompts: Sequence[str], responses: Sequence[str], add_eos: bool = True) -> dict[str, torch.Tensor]:
+def build_batch(
+    tokenizer, prompts: Sequence[str], responses: Sequence[str], add_eos: bool = True
+) -> dict[str, torch.Tensor]:
     """A batch in the rollout layout from given texts (for SFT, reward-model pairs, tests).
 
     Args:
@@ -182,4 +188,3 @@ def build_batch(tokenizer, prompts: Sequence[str], responses: Sequence[str], add
     # Right padding is left padding of the reversed lists, reversed back.
     flipped, flipped_mask = left_pad([seq[::-1] for seq in response_lists], tokenizer.pad_token_id)
     return sequence_batch(prompt_ids, prompt_mask, flipped.flip(1), flipped_mask.flip(1))
-

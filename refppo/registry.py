@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 from refppo.checks import check_choice
 

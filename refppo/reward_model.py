@@ -27,7 +27,9 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[to
         (loss scalar, accuracy scalar, detached).
     """
     if chosen.shape != rejected.shape or chosen.dim() != 1:
-        raise ValueError(f"chosen and rejected must be matching (P,) tensors, got {tuple(chosen.shape)}, {tuple(rejected.shape)}")
+        raise ValueError(
+            f"chosen and rejected must be matching (P,) tensors, got {tuple(chosen.shape)}, {tuple(rejected.shape)}"
+        )
     margin = chosen - rejected
     return -F.logsigmoid(margin).mean(), (margin > 0).float().mean().detach()
 

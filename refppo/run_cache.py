@@ -10,7 +10,8 @@ import shutil
 from pathlib import Path
 
 from refppo.cli import COMMANDS, main
-from refppo.config import Config, apply_overrides, config_to_dict, validate
+from refppo.config import Config, apply_overrides, config_to_dict
+from refppo.settings import validate
 
 
 def _source_digest() -> str:
@@ -40,8 +41,12 @@ def cached_run(command: str, overrides: list[str], cache_dir: str | os.PathLike 
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}; valid: {', '.join(COMMANDS)}")
-    config = validate(apply_overrides(Config(), [*overrides, "trainer.output_dir=-", "trainer.progress_bar=false"]))
-    spec = json.dumps({"command": command, "config": config_to_dict(config), "source": _source_digest()}, sort_keys=True)
+    config = validate(
+        apply_overrides(Config(), [*overrides, "trainer.output_dir=-", "trainer.progress_bar=false"]), command
+    )
+    spec = json.dumps(
+        {"command": command, "config": config_to_dict(config), "source": _source_digest()}, sort_keys=True
+    )
     root = Path(cache_dir or os.environ.get("REFPPO_CACHE") or Path.home() / ".cache" / "refppo")
     final = root / f"{command}-{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
     if final.is_dir():
@@ -55,4 +60,3 @@ def cached_run(command: str, overrides: list[str], cache_dir: str | os.PathLike 
     except OSError:  # another process finished the same run first: keep its folder
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-

@@ -22,22 +22,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.config import CRITIC_FROM_ACTOR, Config, config_to_dict, flatten, ignored_settings
+from refppo.config import CRITIC_FROM_ACTOR, Config, config_to_dict, flatten
+from refppo.settings import resumable_settings
 
 STATE_FILE = "trainer_state.pt"  # a checkpoint's one file: PPOTrainer.state_dict()
-
-# Settings a resumed run may change: how it runs, never what it computes.
-RESUMABLE_CHANGES = frozenset(
-    {
-        "trainer.total_training_steps", "trainer.resume", "trainer.output_dir", "trainer.progress_bar",
-        "trainer.tensorboard", "trainer.save_freq", "trainer.test_freq", "trainer.device",
-        "actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
-        "rollout.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu",
-        "reward_model.micro_batch_size_per_gpu", "actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
-        "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "model.use_fused_kernels",
-        "model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing",
-    }
-)  # fmt: skip
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -96,8 +84,7 @@ def _checkpoints(path: Path) -> list[tuple[int, Path]]:
 
 def _critic_resolved(flat: dict) -> dict:
     """A flattened config with each unset critic setting replaced by the actor's, so a run saved
-    with the value explicit (refppo fixed critic.loss_agg_mode at token-mean until 2026-11-25)
-    resumes where it means the same."""
+    with the value explicit resumes where it means the same."""
     return flat | {f"critic.{n}": flat.get(f"actor.{n}") for n in CRITIC_FROM_ACTOR if flat.get(f"critic.{n}") is None}
 
 
@@ -105,7 +92,8 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     """Everything a resume needs, read and checked without writing anything.
 
     Refuses (ValueError) a folder whose ``config.json`` differs from ``config`` in a setting
-    outside ``RESUMABLE_CHANGES`` (all listed; a setting that ``config`` ignores may differ, as
+    a resumed run may not change (all listed; :func:`refppo.settings.resumable_settings`: those
+    declared resumable, and those ``config`` ignores, as
     one saved by a run from before refppo refused it, and critic settings compare as resolved),
     one with no checkpoint that loads, and a
     metrics log damaged anywhere but its last line (a line torn by a kill is dropped).
@@ -129,7 +117,7 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
         raise ValueError(f"cannot resume {str(path)!r}: its config.json is unreadable ({e})") from None
     new = flatten(json.loads(_config_json(config)))  # through JSON, as saved: tuples become lists
     saved, new = _critic_resolved(saved), _critic_resolved(new)
-    free = RESUMABLE_CHANGES | ignored_settings(config).keys()
+    free = resumable_settings(config)
     changed = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(set(saved) | set(new))
@@ -219,7 +207,9 @@ class RunFolder:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ImportError("trainer.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+            raise ImportError(
+                "trainer.tensorboard=true needs the tensorboard package: pip install tensorboard"
+            ) from None
         self.tensorboard = SummaryWriter(str(self.path / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -250,7 +240,9 @@ class RunFolder:
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             free = shutil.disk_usage(self.path).free
-            full = free < 2**20 or any(getattr(x, "errno", None) == errno.ENOSPC for x in (e, e.__cause__, e.__context__))
+            full = free < 2**20 or any(
+                getattr(x, "errno", None) == errno.ENOSPC for x in (e, e.__cause__, e.__context__)
+            )
             raise OSError(
                 f"{'no space left on the disk: ' if full else ''}writing checkpoint {final.name} failed ({e}); "
                 f"{free / 2**20:.0f} MiB free. The last good checkpoint (step {self.latest_step()}) is intact"
@@ -285,11 +277,22 @@ def summary(path: str | os.PathLike) -> str:
     val = [(r["step"], r["val/score"]) for r in rows if r.get("val/score") is not None]
     if val:
         best = max(val, key=lambda sv: sv[1])
-        lines.append(f"  val/score: first {val[0][1]:.4g} (step {val[0][0]}), last {val[-1][1]:.4g} (step {val[-1][0]}), best {best[1]:.4g} (step {best[0]})")
+        lines.append(
+            f"  val/score: first {val[0][1]:.4g} (step {val[0][0]}), last {val[-1][1]:.4g} (step {val[-1][0]}), best "
+            f"{best[1]:.4g} (step {best[0]})"
+        )
     last = {}
     for r in rows:
         last |= {k: v for k, v in r.items() if v is not None}
-    shown = ("sft/loss", "rm/loss", "rm/accuracy", "critic/score/mean", "actor/reward_kl_penalty", "actor/kl_loss", "actor/ppo_kl")
+    shown = (
+        "sft/loss",
+        "rm/loss",
+        "rm/accuracy",
+        "critic/score/mean",
+        "actor/reward_kl_penalty",
+        "actor/kl_loss",
+        "actor/ppo_kl",
+    )
     if found := [f"{k} {last[k]:.4g}" for k in shown if k in last]:
         lines.append("  last: " + ", ".join(found))
     seconds = sum(r.get("timing_s/step") or 0.0 for r in rows)

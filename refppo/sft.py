@@ -78,7 +78,16 @@ def train_sft(
 
 
 def train_steps(
-    model, optimizer, sampler, steps: int, step_loss, schedule=None, log=None, progress_bar=False, desc="train", shown=None
+    model,
+    optimizer,
+    sampler,
+    steps: int,
+    step_loss,
+    schedule=None,
+    log=None,
+    progress_bar=False,
+    desc="train",
+    shown=None,
 ) -> list[dict[str, float]]:
     """``steps`` optimiser steps (SFT, the reward model): each draws ``sampler.next_batch()``,
     computes ``step_loss(batch) -> (loss, metrics)``, clips the gradient norm at 1 and steps the
@@ -114,4 +123,3 @@ def train_steps(
         bar.set_postfix({label: f"{metrics[key]:{fmt}}" for label, (key, fmt) in (shown or {}).items()})
     model.eval()
     return history
-

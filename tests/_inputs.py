@@ -39,6 +39,7 @@ def ragged_batch(tok, rows=12):
     batch["index"] = torch.arange(rows)
     return batch
 
+
 # Chat templates in the character tokenizer's alphabet: Llama-style (the template writes the BOS,
 # and the tokenizer adds one to a text) and Qwen-style (no BOS in the template).
 _CHAT_TURNS = (
@@ -54,7 +55,9 @@ def attention_calls(models, record):
     the decoder layer, so a checkpointed layer's recomputation is seen too)."""
     calls = []
     layers = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
-    hooks = [m.register_forward_pre_hook(lambda m, args, kw: calls.append(record(m, kw)), with_kwargs=True) for m in layers]
+    hooks = [
+        m.register_forward_pre_hook(lambda m, args, kw: calls.append(record(m, kw)), with_kwargs=True) for m in layers
+    ]
     try:
         yield calls
     finally:
@@ -67,6 +70,7 @@ def chat_tokenizer(template: str = "bos"):
     tok = build_tokenizer()
     tok.chat_template = CHAT_TEMPLATES[template]
     return tok
+
 
 MASK_KINDS = ("full", "ragged", "holes", "with_empty_rows")
 

@@ -3,8 +3,9 @@
 import torch
 
 from refppo.advantages import needs_critic
-from refppo.config import Config, apply_overrides, validate
+from refppo.config import Config, apply_overrides
 from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
+from refppo.settings import validate
 from refppo.tasks.tokenizer import build_tokenizer
 from refppo.trainer import PPOTrainer
 
@@ -23,8 +24,14 @@ def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_criti
     ``lora_rank`` if it is > 0. ``critic.*`` overrides apply where the estimator has a critic
     (validate refuses them elsewhere), so tests can share one list across estimators.
     ``edit(config)``, if given, changes the validated config (to build one validate refuses)."""
-    base = ["data.train_batch_size=16", "data.max_response_length=4", "actor.ppo_mini_batch_size=8",
-            "actor.optim.lr=3e-3", "trainer.critic_warmup=0", f"trainer.seed={seed}"]  # fmt: skip
+    base = [
+        "data.train_batch_size=16",
+        "data.max_response_length=4",
+        "actor.ppo_mini_batch_size=8",
+        "actor.optim.lr=3e-3",
+        "trainer.critic_warmup=0",
+        f"trainer.seed={seed}",
+    ]
     if needs_critic(apply_overrides(Config(), list(overrides)).algorithm.adv_estimator):
         overrides = ["critic.optim.lr=3e-3", *overrides]
     else:

@@ -19,62 +19,208 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUGS = [
-    ("reference log-probs from the actor", "compute_log_probs(self.reference, batch", "compute_log_probs(self.actor, batch"),
-    ("IS weights inverted", 'batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor', 'batch["rollout_log_probs"], batch["old_log_probs"], mask, c.actor'),
+    (
+        "reference log-probs from the actor",
+        "compute_log_probs(self.reference, batch",
+        "compute_log_probs(self.actor, batch",
+    ),
+    (
+        "IS weights inverted",
+        'batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor',
+        'batch["rollout_log_probs"], batch["old_log_probs"], mask, c.actor',
+    ),
     ("IS weights not truncated", "mask, c.actor.rollout_is_threshold", 'mask, float("inf")'),
-    ("KL in the reward: arguments swapped", 'batch["old_log_probs"], batch["ref_log_prob"], mask, beta', 'batch["ref_log_prob"], batch["old_log_probs"], mask, beta'),
+    (
+        "KL in the reward: arguments swapped",
+        'batch["old_log_probs"],\n                batch["ref_log_prob"],',
+        'batch["ref_log_prob"],\n                batch["old_log_probs"],',
+    ),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     ("a NaN entropy not checked", 'finite["entropy"] = entropy', "pass"),
-    ("KL computed but not put in the reward", 'batch["token_level_rewards"], current_kl = apply_kl_penalty(', "_, current_kl = apply_kl_penalty("),
-    ("the batch's values not checked", 'finite = {k: batch[k] for k in ("old_log_probs",', 'finite = {k: batch[k] for k in ("unchecked",'),
-    ("micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
-    ("logged losses weighted by token share", "(weight if k in LOSS_STATS else share) * v", "share * v"),
-    ("temperature ignored in the update", "log_probs(self.actor, mb, temp, bonus", "log_probs(self.actor, mb, 1.0, bonus"),
-    ("policy loss on the rollout's log-probs", 'old_log_prob=mb["old_log_probs"]', 'old_log_prob=mb["rollout_log_probs"]'),
+    (
+        "KL computed but not put in the reward",
+        'batch["token_level_rewards"], current_kl = apply_kl_penalty(',
+        "_, current_kl = apply_kl_penalty(",
+    ),
+    (
+        "the batch's values not checked",
+        'read = ("old_log_probs", "ref_log_prob",',
+        'read = ("unchecked", "ref_log_prob",',
+    ),
+    ("update.py", "micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
+    ("update.py", "logged losses weighted by token share", "(weight if k in LOSS_STATS else share) * v", "share * v"),
+    (
+        "temperature ignored in the update",
+        "log_probs(self.actor, mb, temp, bonus",
+        "log_probs(self.actor, mb, 1.0, bonus",
+    ),
+    (
+        "policy loss on the rollout's log-probs",
+        'old_log_prob=mb["old_log_probs"]',
+        'old_log_prob=mb["rollout_log_probs"]',
+    ),
     ("policy loss on the returns", 'advantages=mb["advantages"]', 'advantages=mb["returns"]'),
-    ("entropy bonus with the wrong sign", "loss = loss - a.entropy_coeff * entropy_loss", "loss = loss + a.entropy_coeff * entropy_loss"),
-    ("KL loss on the old log-probs (no gradient)", 'kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)', 'kl_penalty(mb["old_log_probs"], mb["ref_log_prob"], a.kl_loss_type)'),
-    ("value loss: returns and old values swapped", 'vpreds, mb["returns"], mb["values"], mb["response_mask"]', 'vpreds, mb["values"], mb["returns"], mb["response_mask"]'),
-    ("seq-mean-token-sum-norm over the batch width", "return self.config.data.max_response_length if configured is None else configured", "return configured"),
-    ("critic uses the actor's epochs", "(critic_setting(c, k) for k in", '(getattr(c.actor, k) if k == "ppo_epochs" else critic_setting(c, k) for k in'),
-    ("config.py", "the critic's loss mode not the actor's when unset", "return getattr(config.actor, name) if value is None else value",
-     'return ("token-mean" if name == "loss_agg_mode" else getattr(config.actor, name)) if value is None else value'),
-    ("explained variance over the values", '(masked_var(batch["returns"], mask) + 1e-5)', '(masked_var(batch["values"], mask) + 1e-5)'),
-    ("losses.py", "clip adapter: bounds swapped", "clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,", "clip_ratio, clip_ratio_high, clip_ratio_low, clip_ratio_c,"),
-    ("losses.py", "penalty adapter: KL type for the coefficient", "penalty_kl_coef, penalty_kl_type, loss_agg_mode,\n", "0.1, penalty_kl_type, loss_agg_mode,\n"),
-    ("advantages.py", "needs_critic reads the wrong input", 'return ADV_ESTIMATORS.takes(adv_estimator, "values")', 'return ADV_ESTIMATORS.takes(adv_estimator, "response_mask")'),
+    (
+        "entropy bonus with the wrong sign",
+        "loss = loss - a.entropy_coeff * entropy_loss",
+        "loss = loss + a.entropy_coeff * entropy_loss",
+    ),
+    (
+        "KL loss on the old log-probs (no gradient)",
+        'kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)',
+        'kl_penalty(mb["old_log_probs"], mb["ref_log_prob"], a.kl_loss_type)',
+    ),
+    (
+        "value loss: returns and old values swapped",
+        'mb["returns"],\n            mb["values"],',
+        'mb["values"],\n            mb["returns"],',
+    ),
+    (
+        "seq-mean-token-sum-norm over the batch width",
+        "return self.config.data.max_response_length if configured is None else configured",
+        "return configured",
+    ),
+    (
+        "critic uses the actor's epochs",
+        "(getattr(c.actor, k) if actor else critic_setting(c, k) for k in settings)",
+        '(getattr(c.actor, k) if actor or k == "ppo_epochs" else critic_setting(c, k) for k in settings)',
+    ),
+    (
+        "config.py",
+        "the critic's loss mode not the actor's when unset",
+        "return getattr(config.actor, name) if value is None else value",
+        'return ("token-mean" if name == "loss_agg_mode" else getattr(config.actor, name)) if value is None else value',
+    ),
+    (
+        "metrics.py",
+        "explained variance over the values",
+        '(masked_var(batch["returns"], mask) + 1e-5)',
+        '(masked_var(batch["values"], mask) + 1e-5)',
+    ),
+    (
+        "losses.py",
+        "clip adapter: bounds swapped",
+        "        clip_ratio_low,\n        clip_ratio_high,\n        clip_ratio_c,",
+        "        clip_ratio_high,\n        clip_ratio_low,\n        clip_ratio_c,",
+    ),
+    (
+        "losses.py",
+        "penalty adapter: KL type for the coefficient",
+        "        penalty_kl_coef,\n        penalty_kl_type,\n        loss_agg_mode,",
+        "        0.1,\n        penalty_kl_type,\n        loss_agg_mode,",
+    ),
+    (
+        "advantages.py",
+        "needs_critic reads the wrong input",
+        'return ADV_ESTIMATORS.takes(adv_estimator, "values")',
+        'return ADV_ESTIMATORS.takes(adv_estimator, "response_mask")',
+    ),
 ]
 BUGS += [  # the plain formulas
-    ("advantages.py", "GAE: a masked token not skipped", "next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value", "next_value = v[:, t]"),
-    ("functional.py", "log-probs: the temperature left out", "torch.log_softmax(logits.float() / temperature, dim=-1)", "torch.log_softmax(logits.float(), dim=-1)"),
-    ("generation.py", "a finished row's log-prob recorded", "log_probs.append(logp.masked_fill(done, 0.0))", "log_probs.append(logp)"),
-    ("forward.py", "values one position late", 'logits[:, -width - 1 : -1, 0]', 'logits[:, -width:, 0]'),
+    (
+        "advantages.py",
+        "GAE: a masked token not skipped",
+        "next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value",
+        "next_value = v[:, t]",
+    ),
+    (
+        "functional.py",
+        "log-probs: the temperature left out",
+        "torch.log_softmax(logits.float() / temperature, dim=-1)",
+        "torch.log_softmax(logits.float(), dim=-1)",
+    ),
+    (
+        "generation.py",
+        "a finished row's log-prob recorded",
+        "log_probs.append(logp.masked_fill(done, 0.0))",
+        "log_probs.append(logp)",
+    ),
+    ("forward.py", "values one position late", "logits[:, -width - 1 : -1, 0]", "logits[:, -width:, 0]"),
 ]
 BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
-    ("forward.py", "token-budget rows put back in the wrong order", "if idx is None else idx", "if idx is None else slice(start, start + len(idx))"),
-    ("accel/token_budget.py", "trimming cuts the last response token", "cut, keep = width_p - prompt_keep, response_keep",
-     "cut, keep = width_p - prompt_keep, max(response_keep - 1, 1)"),
-    ("accel/token_budget.py", "a micro-batch over the token budget", "(len(groups[-1]) + 1) * sum(grown) > max_tokens", "len(groups[-1]) * sum(grown) > max_tokens"),
+    (
+        "forward.py",
+        "token-budget rows put back in the wrong order",
+        "if idx is None else idx",
+        "if idx is None else slice(start, start + len(idx))",
+    ),
+    (
+        "accel/token_budget.py",
+        "trimming cuts the last response token",
+        "cut, keep = width_p - prompt_keep, response_keep",
+        "cut, keep = width_p - prompt_keep, max(response_keep - 1, 1)",
+    ),
+    (
+        "accel/token_budget.py",
+        "a micro-batch over the token budget",
+        "(len(groups[-1]) + 1) * sum(grown) > max_tokens",
+        "len(groups[-1]) * sum(grown) > max_tokens",
+    ),
 ]
 BUGS += [  # log-probs in blocks, compiled or from the hidden states
-    ("accel/logprobs.py", "chunked log-softmax: temperature left out of the gradient", "            temperature, dtype,\n        )  # fmt: skip", "            1.0, dtype,\n        )  # fmt: skip"),
-    ("accel/logprobs.py", "fused: the head's gradient halved", "grad_w.addmm_(g.T, h)", "grad_w.addmm_(g.T, h, alpha=0.5)"),
-    ("accel/logprobs.py", "fused: the reference keeps its adapter", "with model.actor.disable_adapter():\n            return final_hidden_states", "if True:\n            return final_hidden_states"),
-    ("accel/logprobs.py", "fused: hidden states one position late", "hidden[:, -mask.shape[1] - 1 : -1]", "hidden[:, -mask.shape[1] :]"),
-    ("accel/logprobs.py", "fused: the autocast dtype ignored", "torch.get_autocast_dtype(device) if autocast else ", ""),
-    ("accel/__init__.py", "the options ignored: the actor's passes always plain", "actor=passes(config.actor),", "actor=ForwardPasses(),"),
+    (
+        "accel/logprobs.py",
+        "chunked log-softmax: temperature left out of the gradient",
+        "                temperature,\n                dtype,\n            ),",
+        "                1.0,\n                dtype,\n            ),",
+    ),
+    (
+        "accel/logprobs.py",
+        "fused: the head's gradient halved",
+        "grad_w.addmm_(g.T, h)",
+        "grad_w.addmm_(g.T, h, alpha=0.5)",
+    ),
+    (
+        "accel/logprobs.py",
+        "fused: the reference keeps its adapter",
+        "with model.actor.disable_adapter():\n            return final_hidden_states",
+        "if True:\n            return final_hidden_states",
+    ),
+    (
+        "accel/logprobs.py",
+        "fused: hidden states one position late",
+        "hidden[:, -mask.shape[1] - 1 : -1]",
+        "hidden[:, -mask.shape[1] :]",
+    ),
+    (
+        "accel/logprobs.py",
+        "fused: the autocast dtype ignored",
+        "torch.get_autocast_dtype(device) if autocast else ",
+        "",
+    ),
+    (
+        "accel/__init__.py",
+        "the options ignored: the actor's passes always plain",
+        "actor=passes(config.actor),",
+        "actor=ForwardPasses(),",
+    ),
 ]
 BUGS += [  # the other accelerated paths
-    ("accel/gae.py", "packed GAE: the next value is the current one", "delta = packed_r + gamma * next_v - packed_v", "delta = packed_r + gamma * packed_v - packed_v"),
-    ("accel/decoding.py", "static decoding one cache slot early", "slots = torch.arange(seen - input_ids.shape[1], seen,", "slots = torch.arange(seen - input_ids.shape[1] - 1, seen - 1,"),
-    ("accel/checkpointing.py", "checkpointed recomputation with cuDNN's attention", "(contextlib.nullcontext(), trainable_attention())", "(contextlib.nullcontext(), contextlib.nullcontext())"),
+    (
+        "accel/gae.py",
+        "packed GAE: the next value is the current one",
+        "delta = packed_r + gamma * next_v - packed_v",
+        "delta = packed_r + gamma * packed_v - packed_v",
+    ),
+    (
+        "accel/decoding.py",
+        "grouped decode attention: query heads in the wrong groups",
+        "query.reshape(batch, heads // groups, groups, dim)",
+        "query.reshape(batch, groups, heads // groups, dim).transpose(1, 2)",
+    ),
+    (
+        "accel/checkpointing.py",
+        "checkpointed recomputation with cuDNN's attention",
+        "(contextlib.nullcontext(), trainable_attention())",
+        "(contextlib.nullcontext(), contextlib.nullcontext())",
+    ),
 ]
 BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
 
 
 def main(tests: list[str]) -> None:
     originals = {file: (ROOT / "refppo" / file).read_text() for file, *_ in BUGS}
-    for file, name, old, new in BUGS:
+    for file, name, old, _ in BUGS:
         if originals[file].count(old) != 1:
             raise SystemExit(f"bug {name!r}: its line is not in refppo/{file} exactly once; update BUGS")
     caught = 0
@@ -83,15 +229,25 @@ def main(tests: list[str]) -> None:
             shutil.copytree(ROOT / part, Path(tmp) / part)
         shutil.copy(ROOT / "pyproject.toml", tmp)
         env = {**os.environ, "PYTHONPATH": tmp}
-        where = subprocess.run([sys.executable, "-c", "import refppo; print(refppo.__file__)"], cwd=tmp, env=env, capture_output=True, text=True)
+        where = subprocess.run(
+            [sys.executable, "-c", "import refppo; print(refppo.__file__)"],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if not where.stdout.startswith(tmp):
             raise SystemExit(f"the copy is not the refppo imported: {where.stdout or where.stderr}")
-        if subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *tests], cwd=tmp, env=env, capture_output=True).returncode:
+        if subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", *tests], cwd=tmp, env=env, capture_output=True
+        ).returncode:
             raise SystemExit("the tests fail without a planted bug; fix them first")
         for file, name, old, new in BUGS:
             (Path(tmp) / "refppo" / file).write_text(originals[file].replace(old, new))
             start = time.perf_counter()
-            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *tests], cwd=tmp, env=env, capture_output=True, text=True)
+            run = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-x", *tests], cwd=tmp, env=env, capture_output=True, text=True
+            )
             caught += run.returncode != 0
             verdict = "caught" if run.returncode != 0 else "MISSED"
             print(f"{file:14s} {name:45s} {verdict} ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -100,9 +256,21 @@ def main(tests: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or [
-        "tests/test_trainer.py", "tests/test_trainer_wiring.py", "tests/test_registry.py", "tests/test_forward.py",
-        "tests/test_generation.py", "tests/test_functional.py", "tests/test_advantages.py", "tests/test_accel.py",
-        "tests/test_accel_logprobs.py", "tests/test_accel_token_budget.py", "tests/test_accel_gae.py",
-        "tests/test_accel_decoding.py", "tests/test_accel_checkpointing.py",
-    ])  # fmt: skip
+    main(
+        sys.argv[1:]
+        or [
+            "tests/test_trainer.py",
+            "tests/test_trainer_wiring.py",
+            "tests/test_registry.py",
+            "tests/test_forward.py",
+            "tests/test_generation.py",
+            "tests/test_functional.py",
+            "tests/test_advantages.py",
+            "tests/test_accel.py",
+            "tests/test_accel_logprobs.py",
+            "tests/test_accel_token_budget.py",
+            "tests/test_accel_gae.py",
+            "tests/test_accel_decoding.py",
+            "tests/test_accel_checkpointing.py",
+        ]
+    )

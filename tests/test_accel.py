@@ -9,8 +9,9 @@ from refppo.accel import StaticDecoder, select
 from refppo.accel.gae import packed_gae_advantage_return
 from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs
 from refppo.accel.token_budget import TokenBudgetPasses
-from refppo.config import Config, apply_overrides, validate
+from refppo.config import Config, apply_overrides
 from refppo.forward import ForwardPasses, response_log_probs
+from refppo.settings import validate
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -60,9 +61,16 @@ def test_every_cpu_path_at_once_gives_the_plain_run():
     checkpointing in both models: the same metrics and weights as the plain run over 3 steps, to
     float rounding (the blocks sum in another order)."""
     settings = ["algorithm.use_kl_in_reward=true", "actor.entropy_coeff=0.01", "data.max_response_length=6"]
-    fast = ["actor.use_torch_compile=true", "model.use_fused_kernels=true", "actor.use_dynamic_bsz=true",
-            "actor.ppo_max_token_len_per_gpu=40", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=40",
-            "model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"]  # fmt: skip
+    fast = [
+        "actor.use_torch_compile=true",
+        "model.use_fused_kernels=true",
+        "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_gpu=40",
+        "critic.use_dynamic_bsz=true",
+        "critic.ppo_max_token_len_per_gpu=40",
+        "model.enable_gradient_checkpointing=true",
+        "critic.model.enable_gradient_checkpointing=true",
+    ]
     plain, accelerated = make_trainer(settings), make_trainer([*settings, *fast])
     assert accelerated.accel != plain.accel
     for _ in range(3):

@@ -63,6 +63,7 @@ def test_gradient_checkpointing_recomputes_each_layer_for_the_same_gradients(tok
 def test_gradient_checkpointing_refused_by_a_model_without_it(tok):
     model = load_causal_lm(tiny_config(tok))
     model.supports_gradient_checkpointing = False
-    with pytest.raises(ValueError, match=r"critic.model.enable_gradient_checkpointing=true, but LlamaForCausalLM does not support"):
+    with pytest.raises(
+        ValueError, match=r"critic.model.enable_gradient_checkpointing=true, but LlamaForCausalLM does not support"
+    ):
         enable_gradient_checkpointing(model, "critic.model.enable_gradient_checkpointing")
-

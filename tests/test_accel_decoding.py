@@ -75,7 +75,9 @@ def test_grouped_decode_attention_equals_plain_attention(length):
         assert out.shape == (batch, length, heads, dim) and weights is None
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
     unmasked, _ = grouped_decode_attention(module, query, key, value, None, scaling=0.3)
-    torch.testing.assert_close(unmasked.double(), _plain_attention(query, key, value, torch.ones_like(mask), 0.3), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        unmasked.double(), _plain_attention(query, key, value, torch.ones_like(mask), 0.3), rtol=0, atol=1e-5
+    )
 
 
 def _length_and_attention(layer, kwargs):
@@ -124,9 +126,12 @@ def test_compiled_decoding_reads_the_cache_without_copying_heads(tok):
 
     step = torch.compile(actor, backend=backend, fullgraph=True, dynamic=False)
     inputs = dict(
-        input_ids=torch.full((rows, 1), 5), attention_mask=torch.ones(rows, slots, dtype=torch.long),
-        position_ids=torch.full((rows, 1), 2), cache_position=torch.tensor([2]), use_cache=True,
-    )  # fmt: skip
+        input_ids=torch.full((rows, 1), 5),
+        attention_mask=torch.ones(rows, slots, dtype=torch.long),
+        position_ids=torch.full((rows, 1), 2),
+        cache_position=torch.tensor([2]),
+        use_cache=True,
+    )
     logits = []
     for model in (step, actor):
         cache = _static_cache_class()(config=actor.config, max_cache_len=slots)
@@ -156,4 +161,3 @@ def test_cuda_graph_decoding(tok):
     eager, graphs = rollout(tok, actor, **greedy), rollout(tok, decoder, **greedy)
     same = (eager["responses"] == graphs["responses"]).all(dim=1).float().mean().item()
     assert same >= 0.75, f"only {same:.0%} of greedy responses match the eager decoder's"
-

@@ -83,7 +83,11 @@ def test_an_unused_output_costs_no_backward_work(monkeypatch, fused):
 
     def grads(entropy: bool, use: int):
         x = (hidden if fused else hidden @ weight.T).detach().clone().requires_grad_()
-        out = fused_logprobs(x, weight, labels, 0.8, entropy, 3) if fused else chunked_logprobs(x, labels, 0.8, entropy, 3)
+        out = (
+            fused_logprobs(x, weight, labels, 0.8, entropy, 3)
+            if fused
+            else chunked_logprobs(x, labels, 0.8, entropy, 3)
+        )
         out[use].sum().backward()
         return x.grad
 
@@ -253,7 +257,10 @@ def test_compiled_blocks_match_float64_and_replace_the_eager_ones(compiled_kerne
     assert calls == ["forward"] * 4 + ["backward"] * 4, calls
     h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     ls = torch.log_softmax(h @ w.T / 0.7, dim=-1)
-    ((ls.gather(-1, labels[..., None]).squeeze(-1) * w1.double()).sum() + (-(ls.exp() * ls).sum(-1) * w2.double()).sum()).backward()
+    (
+        (ls.gather(-1, labels[..., None]).squeeze(-1) * w1.double()).sum()
+        + (-(ls.exp() * ls).sum(-1) * w2.double()).sum()
+    ).backward()
     torch.testing.assert_close(hidden.grad.double(), h.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weight.grad.double(), w.grad, atol=1e-5, rtol=1e-5)
 
@@ -288,17 +295,27 @@ def test_bad_hidden_inputs():
         fused_logprobs(h, w, y, temperature=-1.0)
 
 
-
 def _arch_models(tok):
     """Tiny causal LMs of every model type that may compute log-probs from hidden states."""
     from transformers import MistralConfig, Qwen3Config
 
     from refppo.accel.logprobs import FUSED_KERNEL_MODEL_TYPES
 
-    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                vocab_size=len(tok), pad_token_id=tok.pad_token_id)  # fmt: skip
-    configs = [tiny_config(tok, "llama", 32, 1, 2, 1), tiny_config(tok, "qwen2", 32, 1, 2, 1, tie_word_embeddings=True),
-               MistralConfig(**size), Qwen3Config(**size, head_dim=16)]  # fmt: skip
+    size = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+    )
+    configs = [
+        tiny_config(tok, "llama", 32, 1, 2, 1),
+        tiny_config(tok, "qwen2", 32, 1, 2, 1, tie_word_embeddings=True),
+        MistralConfig(**size),
+        Qwen3Config(**size, head_dim=16),
+    ]
     assert sorted(c.model_type for c in configs) == sorted(FUSED_KERNEL_MODEL_TYPES)
     torch.manual_seed(0)
     return [load_causal_lm(c) for c in configs]
@@ -339,19 +356,29 @@ def test_fused_kernels_refuse_models_whose_logits_are_not_the_head(tok):
     and the trainer refuses it before any work."""
     from transformers import CohereConfig, Gemma2Config
 
-    from refppo.config import Config, apply_overrides, validate
+    from refppo.config import Config, apply_overrides
+    from refppo.settings import validate
     from refppo.trainer import PPOTrainer
 
-    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                vocab_size=len(tok), pad_token_id=tok.pad_token_id, head_dim=16)  # fmt: skip
+    size = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        head_dim=16,
+    )
     for config in (Gemma2Config(**size), CohereConfig(**size)):
         with pytest.raises(ValueError, match=f"the actor is '{config.model_type}'.*use_fused_kernels=false"):
             check_fused_kernels(load_causal_lm(config))
-    config = validate(apply_overrides(Config(), ["model.use_fused_kernels=true", "algorithm.adv_estimator=grpo", "rollout.n=2"]))
+    config = validate(
+        apply_overrides(Config(), ["model.use_fused_kernels=true", "algorithm.adv_estimator=grpo", "rollout.n=2"])
+    )
     records = [{"prompt": "1+1="}] * 64
     with pytest.raises(ValueError, match="gemma2"):
         PPOTrainer(config, tok, load_causal_lm(Gemma2Config(**size)), None, records, records, reward_fn=lambda *a: None)
-
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -379,13 +406,3 @@ def test_block_passes_leave_cudnn_attention_out(tok, models):
         BlockLogProbs(fused=True)(actor, batch)
     assert seen == [False] * actor.config.num_hidden_layers
     assert torch.backends.cuda.cudnn_sdp_enabled()
-
-
-def test_bad_hidden_inputs():
-    h, w, y = torch.randn(2, 3, 4), torch.randn(7, 4), torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match="weight"):
-        fused_logprobs(h, torch.randn(7, 5), y)
-    with pytest.raises(ValueError, match="labels"):
-        fused_logprobs(h, w, torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="temperature"):
-        fused_logprobs(h, w, y, temperature=-1.0)

@@ -53,4 +53,3 @@ def test_token_budget_passes_equal_the_whole_batch(tok, models):
     values = budget.compute_values(critic, batch)
     assert torch.allclose(values, compute_values(critic, batch), atol=1e-5)
     assert len(token_budget_micro_batches(batch, 40)) > 3, "a vacuous check: one micro-batch"
-

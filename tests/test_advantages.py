@@ -70,7 +70,9 @@ def test_gae_matches_verl_loop(b, gamma, lam):
     raw = ref_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
     expect_ret = [[a + v for a, v in zip(ra, rv)] for ra, rv in zip(raw, values.tolist())]
     torch.testing.assert_close(ret, torch.tensor(expect_ret, dtype=torch.float64), atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(adv, torch.tensor(ref_whiten(raw, mask.tolist()), dtype=torch.float64), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        adv, torch.tensor(ref_whiten(raw, mask.tolist()), dtype=torch.float64), atol=1e-6, rtol=1e-6
+    )
 
 
 def test_gae_float32_long_sequence_matches_loop():

@@ -34,7 +34,13 @@ def test_margins_are_recorded_worst_first_and_asserts_still_hold():
 
 @pytest.mark.parametrize(
     "source",
-    ["assert 2 < 1", "assert 0 < 2 < 1", "assert 1 < 2 and 3 > 4", "assert 1 < 2 == 3", "assert (1 < 0) if True else 1"],
+    [
+        "assert 2 < 1",
+        "assert 0 < 2 < 1",
+        "assert 1 < 2 and 3 > 4",
+        "assert 1 < 2 == 3",
+        "assert (1 < 0) if True else 1",
+    ],
 )
 def test_a_false_assert_still_fails(source):
     with pytest.raises(AssertionError):

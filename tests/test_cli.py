@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,11 +13,22 @@ from refppo.cli import main
 from refppo.config import Config
 from refppo.runs import RunFolder
 
-TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1"]
+TINY = [
+    "model.hidden_size=32",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
+]
 QUICK_PPO = [
-    "trainer.total_training_steps=2", "trainer.test_freq=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
-    "data.val_size=8", "trainer.progress_bar=false", "data.max_response_length=4", "trainer.critic_warmup=0",
-]  # fmt: skip
+    "trainer.total_training_steps=2",
+    "trainer.test_freq=1",
+    "data.train_batch_size=8",
+    "actor.ppo_mini_batch_size=4",
+    "data.val_size=8",
+    "trainer.progress_bar=false",
+    "data.max_response_length=4",
+    "trainer.critic_warmup=0",
+]
 FILE_PPO = [o for o in QUICK_PPO if o != "data.val_size=8"]  # data.val_files would leave data.val_size unread (refused)
 
 
@@ -34,7 +44,9 @@ def test_sft_writes_a_run_folder(sft_run):
     lines = [json.loads(ln) for ln in (sft_run / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [1, 2, 3] and "sft/loss" in lines[0]
     assert (sft_run / "model" / "config.json").exists() and (sft_run / "model" / "tokenizer_config.json").exists()
-    assert sorted(p.name for p in sft_run.iterdir()) == ["config.json", "metrics.jsonl", "model"], "no empty checkpoints/"
+    assert sorted(p.name for p in sft_run.iterdir()) == ["config.json", "metrics.jsonl", "model"], (
+        "no empty checkpoints/"
+    )
 
 
 def test_ppo_run_resume_and_refusal(sft_run, tmp_path, capsys):
@@ -45,7 +57,10 @@ def test_ppo_run_resume_and_refusal(sft_run, tmp_path, capsys):
     val = [ln["val/score"] for ln in lines]
     printed = capsys.readouterr().out  # the closing summary, computed from the folder
     assert f"run {out}: 2 steps" in printed and f"first {val[0]:.4g} (step 0), last {val[2]:.4g} (step 2)" in printed
-    assert f"actor/ppo_kl {lines[2]['actor/ppo_kl']:.4g}" in printed and "files: config.json, metrics.jsonl, actor/, checkpoints/" in printed
+    assert (
+        f"actor/ppo_kl {lines[2]['actor/ppo_kl']:.4g}" in printed
+        and "files: config.json, metrics.jsonl, actor/, checkpoints/" in printed
+    )
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [0, 1, 2] and "val/score" in lines[0] and "actor/pg_loss" in lines[2]
     assert (out / "latest").read_text() == "2" and (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
@@ -64,9 +79,17 @@ def test_a_lora_run_saves_a_merged_actor_the_next_stage_loads(sft_run, tmp_path)
     from refppo.models import load_causal_lm
 
     out = tmp_path / "ppo_lora"
-    args = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "model.lora_rank=4", "actor.optim.lr=1e-2"]
+    args = [
+        "ppo",
+        f"model.path={sft_run}/model",
+        f"trainer.output_dir={out}",
+        "model.lora_rank=4",
+        "actor.optim.lr=1e-2",
+    ]
     assert main([*args, *QUICK_PPO]) == 0
-    assert (out / "actor_adapter" / "adapter_config.json").exists() and not (out / "actor" / "adapter_config.json").exists()
+    assert (out / "actor_adapter" / "adapter_config.json").exists() and not (
+        out / "actor" / "adapter_config.json"
+    ).exists()
     merged, sft = load_causal_lm(out / "actor"), load_causal_lm(sft_run / "model")
     assert merged.state_dict().keys() == sft.state_dict().keys()  # a plain model: no lora_ weights left
     assert any(not torch.equal(a, b) for a, b in zip(merged.state_dict().values(), sft.state_dict().values()))
@@ -77,7 +100,14 @@ def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20)))
     out = tmp_path / "ppo_file"
-    args = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={data}", *QUICK_PPO]
+    args = [
+        "ppo",
+        f"model.path={sft_run}/model",
+        f"trainer.output_dir={out}",
+        "data.task=file",
+        f"data.train_files={data}",
+        *QUICK_PPO,
+    ]
     assert main(args + ["reward_model.reward_fn=refppo.tasks.arithmetic:exact_match_reward"]) == 0
     assert (out / "metrics.jsonl").exists()
 
@@ -86,7 +116,9 @@ def rendered_and_right(prompts, responses, records):
     """A gsm8k-style rule reward: the answer from the record's ``reward_model.ground_truth``;
     -1 for a prompt that reached the reward function not rendered by the chat template."""
     return [
-        float(r.strip() == rec["reward_model"]["ground_truth"]) if p.startswith("user: ") and p.endswith(".assistant:") else -1.0
+        float(r.strip() == rec["reward_model"]["ground_truth"])
+        if p.startswith("user: ") and p.endswith(".assistant:")
+        else -1.0
         for p, r, rec in zip(prompts, responses, records)
     ]
 
@@ -104,17 +136,34 @@ def test_ppo_on_chat_prompts_in_verls_format(sft_run, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.chat_template = CHAT_TEMPLATES["bos"]
     tokenizer.save_pretrained(model)
-    records = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "reward_model": {"ground_truth": str(2 * i)}} for i in range(20)]
+    records = [
+        {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "reward_model": {"ground_truth": str(2 * i)}}
+        for i in range(20)
+    ]
     pd.DataFrame(records).to_parquet(tmp_path / "chats.parquet")
     out = tmp_path / "ppo_chat"
-    args = ["ppo", f"model.path={model}", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={tmp_path / 'chats.parquet'}"]
+    args = [
+        "ppo",
+        f"model.path={model}",
+        f"trainer.output_dir={out}",
+        "data.task=file",
+        f"data.train_files={tmp_path / 'chats.parquet'}",
+    ]
     overrides = [*QUICK_PPO, "data.max_prompt_length=32", "reward_model.reward_fn=test_cli:rendered_and_right"]
     assert main(args + overrides) == 0
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(ln["critic/score/min"] >= 0 for ln in lines if "critic/score/min" in ln) and len(lines) == 3
     assert all(ln["val/score"] >= 0 for ln in lines if "val/score" in ln)
     with pytest.raises(ValueError, match="the record's 'prompt' is a chat, but the tokenizer has no chat template"):
-        main(["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={tmp_path / 'no_template'}", *args[3:], *overrides])
+        main(
+            [
+                "ppo",
+                f"model.path={sft_run}/model",
+                f"trainer.output_dir={tmp_path / 'no_template'}",
+                *args[3:],
+                *overrides,
+            ]
+        )
     assert not (tmp_path / "no_template").exists()
 
 
@@ -133,13 +182,33 @@ def returns_none(prompts, responses, records):
         (["data.train_files={bad}"], ValueError, "bad.jsonl:2 is not valid JSON"),
         (["data.train_files={nokey}"], ValueError, "nokey.jsonl:1: the record has no field 'prompt'"),
         (["data.train_files={latin1}"], ValueError, "latin1.jsonl:2 is not UTF-8 text"),
-        (["data.train_files={long}"], ValueError, "long.jsonl:3: the prompt has 2[0-9] tokens, more than data.max_prompt_length=16"),
+        (
+            ["data.train_files={long}"],
+            ValueError,
+            "long.jsonl:3: the prompt has 2[0-9] tokens, more than data.max_prompt_length=16",
+        ),
         (["data.train_files={good}", "data.val_files={long}"], ValueError, "long.jsonl:3: the prompt has"),
         (["data.train_files={folder}"], IsADirectoryError, "is a folder"),
-        (["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_strings"], ValueError, "reward function test_cli:returns_strings returned a list; expected 1 numbers"),
-        (["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_none"], ValueError, "test_cli:returns_none returned a NoneType"),
-        (["data.train_files={good}", "reward_model.enable=true", "reward_model.model.path={lm}"], ValueError, "holds no trained scalar head"),
-        (["data.train_files={good}", "reward_model.reward_fn=refppo.tasks.arithmetic:nothing"], ValueError, "has no function 'nothing'"),
+        (
+            ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_strings"],
+            ValueError,
+            "reward function test_cli:returns_strings returned a list; expected 1 numbers",
+        ),
+        (
+            ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_none"],
+            ValueError,
+            "test_cli:returns_none returned a NoneType",
+        ),
+        (
+            ["data.train_files={good}", "reward_model.enable=true", "reward_model.model.path={lm}"],
+            ValueError,
+            "holds no trained scalar head",
+        ),
+        (
+            ["data.train_files={good}", "reward_model.reward_fn=refppo.tasks.arithmetic:nothing"],
+            ValueError,
+            "has no function 'nothing'",
+        ),
         (["data.train_files={good}", "reward_model.reward_fn=nocolon"], ValueError, "package.module:function"),
         (["data.train_files={good}"], ValueError, "needs reward_model.reward_fn"),
     ],
@@ -151,7 +220,9 @@ def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_pat
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "1+1="}\n{"prompt": "café"}\n'.encode("latin-1"))
     (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n\n{"prompt": "' + "1+" * 10 + '1="}\n')
     (tmp_path / "folder.jsonl").mkdir()
-    files = {k: tmp_path / f"{k}.jsonl" for k in ("bad", "nokey", "good", "latin1", "long", "folder")} | {"lm": f"{sft_run}/model"}
+    files = {k: tmp_path / f"{k}.jsonl" for k in ("bad", "nokey", "good", "latin1", "long", "folder")} | {
+        "lm": f"{sft_run}/model"
+    }
     out = tmp_path / "run"
     extra = [e.format(**files) for e in extra]
     with pytest.raises(error, match=message):
@@ -172,8 +243,23 @@ def test_sft_with_fused_kernels_gives_the_same_run(sft_run, tmp_path, monkeypatc
 
     monkeypatch.setattr(BlockLogProbs, "__call__", recording)
     out = tmp_path / "fused"
-    assert main(["sft", f"trainer.output_dir={out}", "sft.steps=3", "sft.batch_size=8", "model.use_fused_kernels=true", *TINY]) == 0
-    losses = [[json.loads(ln)["sft/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in (sft_run, out)]
+    assert (
+        main(
+            [
+                "sft",
+                f"trainer.output_dir={out}",
+                "sft.steps=3",
+                "sft.batch_size=8",
+                "model.use_fused_kernels=true",
+                *TINY,
+            ]
+        )
+        == 0
+    )
+    losses = [
+        [json.loads(ln)["sft/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        for run in (sft_run, out)
+    ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
     assert seen and all(seen), "the flag must reach the loss"
 
@@ -199,7 +285,9 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
     runs = [tmp_path / "plain", tmp_path / "checkpointed"]
     for out, flag in zip(runs, ("false", "true")):
         assert main([command, f"trainer.output_dir={out}", f"model.enable_gradient_checkpointing={flag}", *args]) == 0
-    losses = [[json.loads(ln)[f"{command}/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    losses = [
+        [json.loads(ln)[f"{command}/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in runs
+    ]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
     assert seen == ["LlamaForCausalLM" if command == "sft" else "LlamaForTokenClassification"]
 
@@ -209,27 +297,71 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
     [
         ("sft", ["model.lora_rank=4"], r"refppo sft does not read model.lora_rank \(it trains every weight\): drop it"),
         ("rm", ["model.lora_alpha=4"], r"refppo rm does not read model.lora_alpha \(it trains every weight\)"),
-        ("rm", ["model.use_fused_kernels=true"], r"refppo rm does not read model.use_fused_kernels \(it trains a scalar head"),
+        (
+            "rm",
+            ["model.use_fused_kernels=true"],
+            r"refppo rm does not read model.use_fused_kernels \(it trains a scalar head",
+        ),
         ("sft", ["trainer.resume=true"], r"refppo sft does not read trainer.resume \(it saves no checkpoints\)"),
-        ("rm", ["model.hidden_size=64"], r"refppo rm does not read model.hidden_size \(the model's shape comes from model.path\)"),
-        ("sft", ["model.num_key_value_heads=1"], r"refppo sft does not read model.num_key_value_heads \(the model's shape"),
-        ("ppo", ["model.arch=qwen2"], r"refppo ppo does not read model.arch \(the model's shape comes from model.path\)"),
+        (
+            "rm",
+            ["model.hidden_size=64"],
+            r"refppo rm does not read model.hidden_size \(the model's shape comes from model.path\)",
+        ),
+        (
+            "sft",
+            ["model.num_key_value_heads=1"],
+            r"refppo sft: model.num_key_value_heads=1 is ignored: .* read only with model.path=null \(a fresh",
+        ),
+        (
+            "ppo",
+            ["model.arch=qwen2"],
+            r"refppo ppo does not read model.arch \(the model's shape comes from model.path\)",
+        ),
         ("sft", ["actor.optim.lr=1e-3"], r"refppo sft does not read actor.optim.lr \(it is a setting of refppo ppo\)"),
         ("rm", ["sft.steps=3"], r"refppo rm does not read sft.steps \(it is a setting of refppo sft\)"),
         ("ppo", ["rm.steps=3"], r"refppo ppo does not read rm.steps \(it is a setting of refppo rm\)"),
-        ("ppo", ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.optim.lr=1e-4"],
-         r"refppo ppo: critic.optim.lr=1e-4 is ignored: critic.optim.lr is read only with algorithm.adv_estimator=gae"),
+        (
+            "ppo",
+            ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.optim.lr=1e-4"],
+            r"refppo ppo: critic.optim.lr=1e-4 is ignored: critic.optim.lr is read only with "
+            r"algorithm.adv_estimator=gae",
+        ),
         # Given at all, even at its default: refppo ppo would not read it.
-        ("ppo", ["algorithm.kl_ctrl.kl_coef=0.001"],
-         r"refppo ppo: algorithm.kl_ctrl.kl_coef=0.001 is ignored: .* read only with algorithm.use_kl_in_reward=true\. Set that, or drop"),
-        ("ppo", ["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=2"], "rollout.log_prob_micro_batch_size_per_gpu=2 is ignored"),
-        ("sft", ["trainer.total_training_steps=3"],
-         r"refppo sft does not read trainer.total_training_steps \(of trainer.\* it reads trainer.seed, trainer.device, trainer.output_dir, trainer.progress_bar\)"),
-        ("rm", ["data.max_response_length=4"], r"refppo rm does not read data.max_response_length \(of data.\* it reads data.task\)"),
-        ("sft", ["sft.teacher_carry_error=0.5"], r"refppo sft does not read sft.teacher_carry_error \(only arithmetic has a teacher"),
-        ("sft", ["data.val_size=10"], r"refppo sft does not read data.val_size \(it holds out problems only for data.task=arithmetic\)"),
+        (
+            "ppo",
+            ["algorithm.kl_ctrl.kl_coef=0.001"],
+            r"refppo ppo: algorithm.kl_ctrl.kl_coef=0.001 is ignored: .* read only with "
+            r"algorithm.use_kl_in_reward=true\. Set that, or drop",
+        ),
+        (
+            "ppo",
+            ["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=2"],
+            "rollout.log_prob_micro_batch_size_per_gpu=2 is ignored",
+        ),
+        (
+            "sft",
+            ["trainer.total_training_steps=3"],
+            r"refppo sft does not read trainer.total_training_steps \(of trainer.\* it reads trainer.seed, "
+            r"trainer.device, trainer.output_dir, trainer.progress_bar\)",
+        ),
+        (
+            "rm",
+            ["data.max_response_length=4"],
+            r"refppo rm does not read data.max_response_length \(of data.\* it reads data.task\)",
+        ),
+        (
+            "sft",
+            ["sft.teacher_carry_error=0.5"],
+            r"refppo sft: sft.teacher_carry_error=0.5 is ignored: .* read only with data.task=arithmetic",
+        ),
+        (
+            "sft",
+            ["data.val_size=10"],
+            r"refppo sft: data.val_size=10 is ignored: .* read only with data.task=arithmetic \(only it holds out",
+        ),
     ],
-)  # fmt: skip
+)
 def test_options_a_command_would_ignore_are_refused(sft_run, tmp_path, command, extra, message):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
@@ -253,7 +385,10 @@ def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_bac
     assert valid["trainer.device"] == "auto | cpu | cuda" and valid["trainer.seed"] == "[0, inf)"
     if command == "ppo":
         # Registered estimators are valid too (test_registry.py adds some when it is imported).
-        assert valid["algorithm.adv_estimator"].startswith("gae | grpo | rloo") and valid["actor.clip_ratio_c"] == "(1, inf)"
+        assert (
+            valid["algorithm.adv_estimator"].startswith("gae | grpo | rloo")
+            and valid["actor.clip_ratio_c"] == "(1, inf)"
+        )
         # A setting the defaults turn off says what turns it on.
         assert valid["algorithm.kl_ctrl.kl_coef"] == "[0, inf) (read only with algorithm.use_kl_in_reward=true)"
         assert valid["data.prompt_key"] == "(read only with data.task=file)"
@@ -266,9 +401,18 @@ def test_sft_refuses_fused_kernels_for_an_unsupported_model_before_any_write(sft
 
     tok = load_tokenizer(f"{sft_run}/model")
     gemma = tmp_path / "gemma"
-    Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, head_dim=16, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
-                      ).save_pretrained(gemma)  # fmt: skip
+    Gemma2ForCausalLM(
+        Gemma2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=len(tok),
+            pad_token_id=tok.pad_token_id,
+        )
+    ).save_pretrained(gemma)
     tok.save_pretrained(gemma)
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="the SFT model is 'gemma2'"):
@@ -293,11 +437,16 @@ def test_python_dash_m_entry_point(tmp_path):
     result = subprocess.run([sys.executable, "-m", "refppo"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage: refppo {sft|rm|ppo}" in result.stderr
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "refppo", "ppo", "actor.clip_ration=0.1", f"trainer.output_dir={out}"],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "refppo", "ppo", "actor.clip_ration=0.1", f"trainer.output_dir={out}"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and not out.exists()
-    assert result.stderr == "refppo: error: unknown config key 'actor.clip_ration'; did you mean actor.clip_ratio, " \
+    assert (
+        result.stderr == "refppo: error: unknown config key 'actor.clip_ration'; did you mean actor.clip_ratio, "
         "actor.clip_ratio_c, actor.clip_ratio_low?\n"
+    )
 
 
 def raises_itself(prompts, responses, records):
@@ -308,17 +457,28 @@ def fails_once_running(prompts, responses, records):
     return [1.0] * len(responses) if not any(responses) else None  # the probe's responses are empty
 
 
-def test_the_command_states_refused_input_in_one_line_and_keeps_other_tracebacks(sft_run, tmp_path, monkeypatch, capsys):
+def test_the_command_states_refused_input_in_one_line_and_keeps_other_tracebacks(
+    sft_run, tmp_path, monkeypatch, capsys
+):
     from refppo.cli import entry
 
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1="}\n' * 8)
     out = tmp_path / "run"
-    run = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "data.task=file", f"data.train_files={data}", *FILE_PPO]
+    run = [
+        "ppo",
+        f"model.path={sft_run}/model",
+        f"trainer.output_dir={out}",
+        "data.task=file",
+        f"data.train_files={data}",
+        *FILE_PPO,
+    ]
     refused = {
-        f"data.val_files={tmp_path}/missing.jsonl": f"refppo: error: dataset file '{tmp_path}/missing.jsonl' does not exist",
+        f"data.val_files={tmp_path}/missing.jsonl": f"refppo: error: dataset file '{tmp_path}/missing.jsonl' does "
+        "not exist",
         f"data.val_files={tmp_path}": f"refppo: error: dataset path '{tmp_path}' is a folder",
-        "reward_model.reward_fn=no_such_module:score": "refppo: error: reward_model.reward_fn='no_such_module:score': no module named 'no_such_module'",
+        "reward_model.reward_fn=no_such_module:score": "refppo: error: "
+        "reward_model.reward_fn='no_such_module:score': no module named 'no_such_module'",
     }
     for extra, line in refused.items():
         monkeypatch.setattr(sys, "argv", ["refppo", *run, extra])
@@ -351,13 +511,19 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path):
     assert (run.checkpoint_dir(1) / "state").read_text() == "one"
     assert not run.checkpoint_dir(2).exists()
     run.save_checkpoint(2, lambda folder: (folder / "state").write_text("two"))
-    assert run.latest_step() == 2 and sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_000001", "step_000002"]
+    assert run.latest_step() == 2 and sorted(os.listdir(tmp_path / "r" / "checkpoints")) == [
+        "step_000001",
+        "step_000002",
+    ]
+
 
 def test_a_reward_module_in_the_working_directory_is_found(tmp_path):
     """The ``refppo`` script's sys.path lacks the working directory (``python -m`` adds it);
     ``-I`` reproduces that."""
-    (tmp_path / "my_reward.py").write_text("def score(prompts, responses, records):\n    return [1.0] * len(responses)\n")
-    code = "from refppo.cli import load_reward_fn; print(load_reward_fn('my_reward:score')([], ['a', 'b'], []))"
+    (tmp_path / "my_reward.py").write_text(
+        "def score(prompts, responses, records):\n    return [1.0] * len(responses)\n"
+    )
+    code = "from refppo.reward_fns import load_reward_fn; print(load_reward_fn('my_reward:score')([], ['a', 'b'], []))"
     result = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[1.0, 1.0]"

@@ -5,7 +5,18 @@ import typing
 
 import pytest
 
-from refppo.config import RANGES, Config, leaf_keys, _owner, apply_overrides, config_from_dict, config_to_dict, critic_setting, get_value, in_range, validate
+from refppo.config import (
+    Config,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    critic_setting,
+    declarations,
+    get_value,
+    leaf_keys,
+    owner_of,
+)
+from refppo.settings import in_range, validate
 
 
 def test_overrides_are_typed():
@@ -61,7 +72,10 @@ def test_bad_values():
         (["data.task=file"], "needs data.train_files"),
         (["trainer.total_training_steps=0"], "trainer.total_training_steps=0 is outside its valid range \\[1, inf\\)"),
         (["critic.ppo_mini_batch_size=24"], "critic.ppo_mini_batch_size=24 must divide data.train_batch_size=64"),
-        (["critic.ppo_mini_batch_size=8", "critic.ppo_micro_batch_size_per_gpu=16"], "must divide the mini-batch of 8 rows"),
+        (
+            ["critic.ppo_mini_batch_size=8", "critic.ppo_micro_batch_size_per_gpu=16"],
+            "must divide the mini-batch of 8 rows",
+        ),
         (["critic.ppo_epochs=0"], "critic.ppo_epochs=0 is outside"),
         (["reward_model.missing_eos_penalty=-1"], "reward_model.missing_eos_penalty=-1.0 is outside"),
         (["sft.teacher_carry_error=1.5"], "sft.teacher_carry_error=1.5 is outside its valid range \\[0, 1\\]"),
@@ -82,7 +96,10 @@ def test_bad_values():
         (["algorithm.kl_ctrl.kl_coef=nan"], "algorithm.kl_ctrl.kl_coef=nan is outside"),
         (["rollout.top_k=0"], r"rollout.top_k=0 is outside its valid range -1 or \[1, inf\)"),
         (["trainer.save_freq=0"], "trainer.save_freq=0 is outside"),
-        (["actor.ppo_micro_batch_size_per_gpu=0"], r"actor.ppo_micro_batch_size_per_gpu=0 is outside its valid range \[1, inf\) \(or null\)"),
+        (
+            ["actor.ppo_micro_batch_size_per_gpu=0"],
+            r"actor.ppo_micro_batch_size_per_gpu=0 is outside its valid range \[1, inf\) \(or null\)",
+        ),
         (["trainer.total_training_steps=5"], "trainer.critic_warmup=5 must be < trainer.total_training_steps=5"),
         (["sft.batch_size=0"], "sft.batch_size=0 is outside"),
         (["sft.steps=0"], "sft.steps=0 is outside"),
@@ -91,48 +108,134 @@ def test_bad_values():
         # Issue 13 item 5: options another option makes meaningless.
         (["data.train_files=x.jsonl"], "data.train_files is read only with data.task=file"),
         (["data.val_files=x.jsonl"], "data.val_files is read only with data.task=file"),
-        (["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.reward_fn=m:f"], "both give the training score"),
+        (
+            ["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.reward_fn=m:f"],
+            "both give the training score",
+        ),
         (["reward_model.model.path=rm"], "reward_model.model.path is read only with reward_model.enable=true"),
-        (["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.path=c"],
-         "critic.model.path=c is ignored: critic.model.path is read only with algorithm.adv_estimator=gae"),
-        (["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.enable_gradient_checkpointing=true"],
-         "critic.model.enable_gradient_checkpointing=true is ignored: critic.model.enable_gradient_checkpointing is read only with algorithm.adv_estimator=gae"),
+        (
+            ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.path=c"],
+            "critic.model.path=c is ignored: critic.model.path is read only with algorithm.adv_estimator=gae",
+        ),
+        (
+            ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.model.enable_gradient_checkpointing=true"],
+            "critic.model.enable_gradient_checkpointing=true is ignored: critic.model.enable_gradient_checkpointing "
+            "is read only with algorithm.adv_estimator=gae",
+        ),
         (["algorithm.adv_estimator=rloo", "rollout.n=2", "critic.optim.lr=1e-4"], "critic.optim.lr=0.0001 is ignored"),
-        (["algorithm.adv_estimator=grpo", "rollout.n=2", "algorithm.lam=0.9"], "algorithm.lam=0.9 is ignored: algorithm.lam is read only with algorithm.adv_estimator=gae"),
-        (["algorithm.norm_adv_by_std_in_grpo=false"], "algorithm.norm_adv_by_std_in_grpo=false is ignored: .* read only with algorithm.adv_estimator=grpo"),
-        (["algorithm.kl_ctrl.kl_coef=0.05"], r"algorithm.kl_ctrl.kl_coef=0.05 is ignored: .* read only with algorithm.use_kl_in_reward=true\. Set that, or drop algorithm.kl_ctrl.kl_coef"),
+        (
+            ["algorithm.adv_estimator=grpo", "rollout.n=2", "algorithm.lam=0.9"],
+            "algorithm.lam=0.9 is ignored: algorithm.lam is read only with algorithm.adv_estimator=gae",
+        ),
+        (
+            ["algorithm.norm_adv_by_std_in_grpo=false"],
+            "algorithm.norm_adv_by_std_in_grpo=false is ignored: .* read only with algorithm.adv_estimator=grpo",
+        ),
+        (
+            ["algorithm.kl_ctrl.kl_coef=0.05"],
+            r"algorithm.kl_ctrl.kl_coef=0.05 is ignored: .* read only with algorithm.use_kl_in_reward=true\. Set "
+            r"that, or drop algorithm.kl_ctrl.kl_coef",
+        ),
         (["algorithm.kl_penalty=low_var_kl"], "algorithm.kl_penalty=low_var_kl is ignored"),
-        (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.target_kl=0.5"], "algorithm.kl_ctrl.target_kl=0.5 is ignored: .* read only with algorithm.kl_ctrl.type=adaptive or ppo_paper"),
-        (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=ppo_paper", "algorithm.kl_ctrl.horizon=100"],
-         "algorithm.kl_ctrl.horizon=100.0 is ignored: .* read only with algorithm.kl_ctrl.type=adaptive"),
+        (
+            ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.target_kl=0.5"],
+            "algorithm.kl_ctrl.target_kl=0.5 is ignored: .* read only with algorithm.kl_ctrl.type=adaptive or "
+            "ppo_paper",
+        ),
+        (
+            ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=ppo_paper", "algorithm.kl_ctrl.horizon=100"],
+            "algorithm.kl_ctrl.horizon=100.0 is ignored: .* read only with algorithm.kl_ctrl.type=adaptive",
+        ),
         (["actor.kl_loss_coef=0.1"], "actor.kl_loss_coef=0.1 is ignored: .* read only with actor.use_kl_loss=true"),
         (["actor.kl_loss_type=mse"], "actor.kl_loss_type=mse is ignored"),
-        (["ref.log_prob_micro_batch_size_per_gpu=4"], r"ref.log_prob_micro_batch_size_per_gpu=4 is ignored: .* algorithm.use_kl_in_reward=true or actor.use_kl_loss=true \(the reference pass\)"),
-        (["actor.penalty_kl_coef=0.5"], "actor.penalty_kl_coef=0.5 is ignored: .* read only with actor.policy_loss=penalty"),
-        (["actor.policy_loss=penalty", "actor.clip_ratio_c=null"], "actor.clip_ratio_c=null is ignored: .* read only with actor.policy_loss=clip"),
-        (["actor.clip_ratio_low=0.1", "actor.clip_ratio_high=0.3", "actor.clip_ratio=0.25"],
-         r"actor.clip_ratio=0.25 is ignored: .* read only with actor.clip_ratio_low or actor.clip_ratio_high null \(both are set\)"),
-        (["actor.rollout_is_threshold=1.5"], "actor.rollout_is_threshold=1.5 is ignored: .* read only with actor.policy_mode=rollout_correction"),
-        (["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=4"], "rollout.log_prob_micro_batch_size_per_gpu=4 is ignored: .* other than bypass"),
-        (["actor.loss_scale_factor=8"], "actor.loss_scale_factor=8.0 is ignored: .* read only with actor.loss_agg_mode=seq-mean-token-sum-norm"),
-        (["critic.loss_scale_factor=8"], r"critic.loss_scale_factor=8.0 is ignored: .* read only with critic.loss_agg_mode=seq-mean-token-sum-norm \(null: actor.loss_agg_mode\)"),
-        (["critic.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_scale_factor=8", "actor.loss_scale_factor=4"],
-         "actor.loss_scale_factor=4.0 is ignored: .* or a critic whose loss mode is that with critic.loss_scale_factor null"),
-        (["actor.entropy_coeff=0.01", "actor.calculate_entropy=true"], "actor.calculate_entropy=true is ignored: .* read only with actor.entropy_coeff=0"),
-        (["actor.ppo_max_token_len_per_gpu=512"], "actor.ppo_max_token_len_per_gpu=512 is ignored: .* read only with actor.use_dynamic_bsz=true"),
-        (["critic.ppo_max_token_len_per_gpu=512"], "critic.ppo_max_token_len_per_gpu=512 is ignored: .* read only with critic.use_dynamic_bsz=true"),
-        (["reward_model.micro_batch_size_per_gpu=4"], "reward_model.micro_batch_size_per_gpu=4 is ignored: .* read only with reward_model.enable=true"),
+        (
+            ["ref.log_prob_micro_batch_size_per_gpu=4"],
+            r"ref.log_prob_micro_batch_size_per_gpu=4 is ignored: .* algorithm.use_kl_in_reward=true or "
+            r"actor.use_kl_loss=true \(the reference pass\)",
+        ),
+        (
+            ["actor.penalty_kl_coef=0.5"],
+            "actor.penalty_kl_coef=0.5 is ignored: .* read only with actor.policy_loss=penalty",
+        ),
+        (
+            ["actor.policy_loss=penalty", "actor.clip_ratio_c=null"],
+            "actor.clip_ratio_c=null is ignored: .* read only with actor.policy_loss=clip",
+        ),
+        (
+            ["actor.clip_ratio_low=0.1", "actor.clip_ratio_high=0.3", "actor.clip_ratio=0.25"],
+            r"actor.clip_ratio=0.25 is ignored: .* read only with actor.clip_ratio_low or actor.clip_ratio_high null "
+            r"\(both are set\)",
+        ),
+        (
+            ["actor.rollout_is_threshold=1.5"],
+            "actor.rollout_is_threshold=1.5 is ignored: .* read only with actor.policy_mode=rollout_correction",
+        ),
+        (
+            ["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=4"],
+            "rollout.log_prob_micro_batch_size_per_gpu=4 is ignored: .* other than bypass",
+        ),
+        (
+            ["actor.loss_scale_factor=8"],
+            "actor.loss_scale_factor=8.0 is ignored: .* read only with actor.loss_agg_mode=seq-mean-token-sum-norm",
+        ),
+        (
+            ["critic.loss_scale_factor=8"],
+            r"critic.loss_scale_factor=8.0 is ignored: .* read only with "
+            r"critic.loss_agg_mode=seq-mean-token-sum-norm \(null: actor.loss_agg_mode\)",
+        ),
+        (
+            ["critic.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_scale_factor=8", "actor.loss_scale_factor=4"],
+            "actor.loss_scale_factor=4.0 is ignored: .* or a critic whose loss mode is that with "
+            "critic.loss_scale_factor null",
+        ),
+        (
+            ["actor.entropy_coeff=0.01", "actor.calculate_entropy=true"],
+            "actor.calculate_entropy=true is ignored: .* read only with actor.entropy_coeff=0",
+        ),
+        (
+            ["actor.ppo_max_token_len_per_gpu=512"],
+            "actor.ppo_max_token_len_per_gpu=512 is ignored: .* read only with actor.use_dynamic_bsz=true",
+        ),
+        (
+            ["critic.ppo_max_token_len_per_gpu=512"],
+            "critic.ppo_max_token_len_per_gpu=512 is ignored: .* read only with critic.use_dynamic_bsz=true",
+        ),
+        (
+            ["reward_model.micro_batch_size_per_gpu=4"],
+            "reward_model.micro_batch_size_per_gpu=4 is ignored: .* read only with reward_model.enable=true",
+        ),
         (["model.lora_alpha=32"], "model.lora_alpha=32 is ignored: .* read only with model.lora_rank > 0"),
         (["data.prompt_key=question"], "data.prompt_key=question is ignored: .* read only with data.task=file"),
-        (["data.task=file", "data.train_files=t.jsonl", "data.val_files=v.jsonl", "data.val_size=10"],
-         r"data.val_size=10 is ignored: .* read only with data.val_files=null \(data.val_files holds the evaluation prompts\)"),
-        (["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=4"], "so actor.ppo_micro_batch_size_per_gpu would be ignored"),
-        (["actor.use_dynamic_bsz=true", "rollout.log_prob_micro_batch_size_per_gpu=4"], "so rollout.log_prob_micro_batch_size_per_gpu would be ignored"),
-        (["actor.use_dynamic_bsz=true", "ref.log_prob_micro_batch_size_per_gpu=4"], "so ref.log_prob_micro_batch_size_per_gpu would be ignored"),
-        (["critic.use_dynamic_bsz=true", "critic.ppo_micro_batch_size_per_gpu=4"], "so critic.ppo_micro_batch_size_per_gpu would be ignored"),
-        (["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=23"],
-         r"actor.ppo_max_token_len_per_gpu=23 is less than one sequence can be \(data.max_prompt_length \+ data.max_response_length = 24\)"),
-        (["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"], "critic.ppo_max_token_len_per_gpu=10 is less than"),
+        (
+            ["data.task=file", "data.train_files=t.jsonl", "data.val_files=v.jsonl", "data.val_size=10"],
+            r"data.val_size=10 is ignored: .* read only with data.val_files=null \(data.val_files holds the "
+            r"evaluation prompts\)",
+        ),
+        (
+            ["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=4"],
+            "so actor.ppo_micro_batch_size_per_gpu would be ignored",
+        ),
+        (
+            ["actor.use_dynamic_bsz=true", "rollout.log_prob_micro_batch_size_per_gpu=4"],
+            "so rollout.log_prob_micro_batch_size_per_gpu would be ignored",
+        ),
+        (
+            ["actor.use_dynamic_bsz=true", "ref.log_prob_micro_batch_size_per_gpu=4"],
+            "so ref.log_prob_micro_batch_size_per_gpu would be ignored",
+        ),
+        (
+            ["critic.use_dynamic_bsz=true", "critic.ppo_micro_batch_size_per_gpu=4"],
+            "so critic.ppo_micro_batch_size_per_gpu would be ignored",
+        ),
+        (
+            ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=23"],
+            r"actor.ppo_max_token_len_per_gpu=23 is less than one sequence can be \(data.max_prompt_length \+ "
+            r"data.max_response_length = 24\)",
+        ),
+        (
+            ["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"],
+            "critic.ppo_max_token_len_per_gpu=10 is less than",
+        ),
         (["actor.ppo_max_token_len_per_gpu=0"], "actor.ppo_max_token_len_per_gpu=0 is outside"),
     ],
 )
@@ -142,9 +245,14 @@ def test_validation_errors(overrides, message):
 
 
 def test_unset_critic_settings_are_the_actors_as_verl_interpolates_them():
-    c = validate(apply_overrides(Config(), ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=4", "actor.ppo_epochs=3"]))
-    assert [critic_setting(c, k) for k in ("loss_agg_mode", "loss_scale_factor", "ppo_epochs", "ppo_mini_batch_size")] == [
-        "seq-mean-token-sum-norm", 4, 3, 16]
+    c = validate(
+        apply_overrides(
+            Config(), ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=4", "actor.ppo_epochs=3"]
+        )
+    )
+    assert [
+        critic_setting(c, k) for k in ("loss_agg_mode", "loss_scale_factor", "ppo_epochs", "ppo_mini_batch_size")
+    ] == ["seq-mean-token-sum-norm", 4, 3, 16]
     own = validate(apply_overrides(Config(), ["critic.loss_agg_mode=token-sum", "critic.ppo_mini_batch_size=8"]))
     assert critic_setting(own, "loss_agg_mode") == "token-sum" and critic_setting(own, "ppo_mini_batch_size") == 8
     # The critic alone reads the actor's constant: no refusal.
@@ -168,21 +276,29 @@ def test_every_numeric_setting_has_a_valid_range():
     numeric = []
     for key in leaf_keys(config):
         value = get_value(config, key)
-        hint = str(typing.get_type_hints(type(_owner(config, key)[0]))[key.rsplit(".", 1)[1]])
+        hint = str(typing.get_type_hints(type(owner_of(config, key)[0]))[key.rsplit(".", 1)[1]])
         if isinstance(value, (int, float, tuple)) and not isinstance(value, bool) or "int" in hint or "float" in hint:
             numeric.append(key)
     assert len(numeric) > 50
-    assert sorted(set(numeric) - set(RANGES)) == []
-    assert sorted(set(RANGES) - set(numeric)) == []  # no stale entry
+    ranged = [key for key, d in declarations(config).items() if isinstance(d.valid, str)]
+    assert sorted(set(numeric) - set(ranged)) == []
+    assert sorted(set(ranged) - set(numeric)) == []  # a range only on numbers
 
 
 @pytest.mark.parametrize(
     "value, spec, inside",
     [
-        (0.0, "[0, 1)", True), (1.0, "[0, 1)", False), (1.0, "(0, 1]", True), (0.0, "(0, 1]", False),
-        (math.inf, "(0, inf)", False), (math.inf, "(0, inf]", True), (math.nan, "(-inf, inf)", False),
-        (-1, "-1 or [1, inf)", True), (0, "-1 or [1, inf)", False), (7, "-1 or [1, inf)", True),
+        (0.0, "[0, 1)", True),
+        (1.0, "[0, 1)", False),
+        (1.0, "(0, 1]", True),
+        (0.0, "(0, 1]", False),
+        (math.inf, "(0, inf)", False),
+        (math.inf, "(0, inf]", True),
+        (math.nan, "(-inf, inf)", False),
+        (-1, "-1 or [1, inf)", True),
+        (0, "-1 or [1, inf)", False),
+        (7, "-1 or [1, inf)", True),
     ],
-)  # fmt: skip
+)
 def test_in_range(value, spec, inside):
     assert in_range(value, spec) is inside

@@ -21,7 +21,10 @@ def test_epoch_sampler_epochs_and_state():
 
 # verl's data format (e.g. its gsm8k preprocessing): the prompt is a chat, the answer in a struct.
 CHAT_RECORDS = [
-    {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "reward_model": {"ground_truth": str(2 * i), "style": "rule"}}
+    {
+        "prompt": [{"role": "user", "content": f"{i}+{i}="}],
+        "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+    }
     for i in range(3)
 ]
 
@@ -46,8 +49,12 @@ def test_chat_prompts_load_from_jsonl_and_parquet_alike(tmp_path):
 
 
 def test_chat_prompts_are_checked_at_load_time(tmp_path):
-    path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1+1="}, *CHAT_RECORDS[:1], {"prompt": [{"content": "1"}]}])
-    with pytest.raises(ValueError, match="mixed.jsonl:2: the record's 'prompt' is a chat, but the tokenizer has no chat template"):
+    path = write_jsonl(
+        tmp_path / "mixed.jsonl", [{"prompt": "1+1="}, *CHAT_RECORDS[:1], {"prompt": [{"content": "1"}]}]
+    )
+    with pytest.raises(
+        ValueError, match="mixed.jsonl:2: the record's 'prompt' is a chat, but the tokenizer has no chat template"
+    ):
         load_records(path, "prompt", build_tokenizer())
     tok = chat_tokenizer()
     with pytest.raises(ValueError, match="mixed.jsonl:3: the record's 'prompt' is neither a text nor a chat"):
@@ -56,5 +63,7 @@ def test_chat_prompts_are_checked_at_load_time(tmp_path):
     path = write_jsonl(tmp_path / "chats.jsonl", CHAT_RECORDS)
     n = 1 + len("user: 0+0=.assistant:")
     assert len(load_records(path, "prompt", tok, n)) == 3
-    with pytest.raises(ValueError, match=f"chats.jsonl:1: the prompt has {n} tokens, more than data.max_prompt_length={n - 1}"):
+    with pytest.raises(
+        ValueError, match=f"chats.jsonl:1: the prompt has {n} tokens, more than data.max_prompt_length={n - 1}"
+    ):
         load_records(path, "prompt", tok, n - 1)

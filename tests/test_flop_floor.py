@@ -51,7 +51,9 @@ def test_attention_backward_on_cpu_is_counted():
     # Five products of 1 x 2 x 4 x 4 x 8 multiply-adds: the scores recomputed, then the gradients
     # of the scores, of V, of Q and of K (torch's count for a flash-attention backward).
     assert total_flops(recorder) == 5 * (2 * 1 * 2 * 4 * 4 * 8)
-    assert {key[0]._overloadpacket for key in recorder.calls} == {aten._scaled_dot_product_flash_attention_for_cpu_backward}
+    assert {key[0]._overloadpacket for key in recorder.calls} == {
+        aten._scaled_dot_product_flash_attention_for_cpu_backward
+    }
 
 
 def test_layouts_are_replayed_with_their_shapes_strides_and_dtypes():

@@ -113,7 +113,6 @@ def test_padding_invariance(tok, models):
         torch.testing.assert_close(other["score"], first["score"], rtol=0, atol=1e-5)
 
 
-
 def test_micro_batches_are_consecutive_row_slices():
     batch = {"a": torch.arange(7), "b": torch.arange(14).view(7, 2)}
     parts = micro_batches(batch, 3)
@@ -153,7 +152,9 @@ def test_a_ragged_batch_gets_finite_gradients_on_cuda(tok, checkpointed):
     CPU gradient to bf16 noise, with activation checkpointing (whose recomputation runs in the
     backward pass) too."""
     torch.manual_seed(0)
-    config = tiny_config(tok, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = tiny_config(
+        tok, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512
+    )
     cpu = load_causal_lm(config)
     gpu = load_causal_lm(config, device="cuda")
     gpu.load_state_dict(cpu.state_dict())
@@ -175,4 +176,3 @@ def test_a_ragged_batch_gets_finite_gradients_on_cuda(tok, checkpointed):
     assert torch.isfinite(grads[1]).all(), f"{int((~torch.isfinite(grads[1])).sum())} non-finite gradient entries"
     relative = float((grads[1] - grads[0]).norm() / grads[0].norm())
     assert relative < 3e-2, relative
-

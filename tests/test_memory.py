@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from refppo.accel.checkpointing import enable_gradient_checkpointing
+from refppo.forward import response_log_probs
 from refppo.memory import (
     PeakMeter,
     activation_bytes,
@@ -12,8 +14,6 @@ from refppo.memory import (
     param_count,
     state_bytes,
 )
-from refppo.accel.checkpointing import enable_gradient_checkpointing
-from refppo.forward import response_log_probs
 from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.prompts import build_batch
 from refppo.tasks.tokenizer import build_tokenizer
@@ -188,9 +188,11 @@ def test_a_checkpointed_update_peaks_near_the_layers_inputs_and_one_layer():
     rows, width = batch["responses"].shape
     tokens, seq_len = batch["input_ids"].numel(), batch["input_ids"].shape[1]
     act = {
-        ckpt: activation_bytes(config, tokens, rows * (width + 1), bytes_per_value=4, seq_len=seq_len, checkpointing=ckpt)
+        ckpt: activation_bytes(
+            config, tokens, rows * (width + 1), bytes_per_value=4, seq_len=seq_len, checkpointing=ckpt
+        )
         for ckpt in (False, True)
-    }  # fmt: skip
+    }
     inputs = tokens * activation_values_per_token(config, seq_len, checkpointing=True) * 4
     layer = activation_bytes(config, tokens, 0, bytes_per_value=4, seq_len=seq_len, checkpointing=True) - inputs
     rows_bytes = rows * (width + 1) * config.vocab_size * 4

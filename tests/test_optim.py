@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from refppo.config import Config, apply_overrides, validate
+from refppo.config import Config, apply_overrides
 from refppo.optim import make_optimizer
+from refppo.settings import validate
 
 
 def verl_lr_factors(total, warmup=-1, ratio=0.0, cosine=False, min_lr_ratio=0.0):
@@ -33,7 +34,10 @@ def verl_lr_factors(total, warmup=-1, ratio=0.0, cosine=False, min_lr_ratio=0.0)
         (["lr_warmup_steps=4"], {"warmup": 4}),
         (["lr_warmup_steps=4", "lr_scheduler_type=cosine"], {"warmup": 4, "cosine": True}),
         (["lr_scheduler_type=cosine", "min_lr_ratio=0.1"], {"cosine": True, "min_lr_ratio": 0.1}),
-        (["lr_warmup_steps_ratio=0.3", "lr_scheduler_type=cosine", "min_lr_ratio=0.25"], {"ratio": 0.3, "cosine": True, "min_lr_ratio": 0.25}),
+        (
+            ["lr_warmup_steps_ratio=0.3", "lr_scheduler_type=cosine", "min_lr_ratio=0.25"],
+            {"ratio": 0.3, "cosine": True, "min_lr_ratio": 0.25},
+        ),
         (["lr_warmup_steps_ratio=0.25"], {"ratio": 0.25}),  # int(0.25 x 14) = 3 steps, rounded down
         (["lr_warmup_steps=20", "lr_scheduler_type=cosine"], {"warmup": 20, "cosine": True}),  # longer than the run
     ],
@@ -53,12 +57,30 @@ def test_lr_schedule_equals_verls(overrides, verl):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["actor.optim.lr_warmup_steps=3", "actor.optim.lr_warmup_steps_ratio=0.1"], "actor.optim.lr_warmup_steps_ratio is read only with actor.optim.lr_warmup_steps=-1"),
-        (["critic.optim.min_lr_ratio=0.1"], "critic.optim.min_lr_ratio is read only with critic.optim.lr_scheduler_type=cosine"),
-        (["actor.optim.lr_scheduler_type=linear"], "actor.optim.lr_scheduler_type='linear' is not one of constant, cosine"),
-        (["actor.optim.lr_warmup_steps=-2"], r"actor.optim.lr_warmup_steps=-2 is outside its valid range -1 or \[0, inf\)"),
-        (["critic.optim.lr_warmup_steps_ratio=1.5"], r"critic.optim.lr_warmup_steps_ratio=1.5 is outside its valid range \[0, 1\]"),
-        (["actor.optim.lr_scheduler_type=cosine", "actor.optim.min_lr_ratio=-0.1"], r"actor.optim.min_lr_ratio=-0.1 is outside"),
+        (
+            ["actor.optim.lr_warmup_steps=3", "actor.optim.lr_warmup_steps_ratio=0.1"],
+            "actor.optim.lr_warmup_steps_ratio is read only with actor.optim.lr_warmup_steps=-1",
+        ),
+        (
+            ["critic.optim.min_lr_ratio=0.1"],
+            "critic.optim.min_lr_ratio is read only with critic.optim.lr_scheduler_type=cosine",
+        ),
+        (
+            ["actor.optim.lr_scheduler_type=linear"],
+            "actor.optim.lr_scheduler_type='linear' is not one of constant, cosine",
+        ),
+        (
+            ["actor.optim.lr_warmup_steps=-2"],
+            r"actor.optim.lr_warmup_steps=-2 is outside its valid range -1 or \[0, inf\)",
+        ),
+        (
+            ["critic.optim.lr_warmup_steps_ratio=1.5"],
+            r"critic.optim.lr_warmup_steps_ratio=1.5 is outside its valid range \[0, 1\]",
+        ),
+        (
+            ["actor.optim.lr_scheduler_type=cosine", "actor.optim.min_lr_ratio=-0.1"],
+            r"actor.optim.min_lr_ratio=-0.1 is outside",
+        ),
     ],
 )
 def test_bad_schedules_are_refused(overrides, message):
@@ -67,5 +89,7 @@ def test_bad_schedules_are_refused(overrides, message):
 
 
 def test_the_old_scheduler_key_points_to_verls_name():
-    with pytest.raises(ValueError, match="unknown config key 'actor.optim.lr_scheduler'; did you mean actor.optim.lr_scheduler_type"):
+    with pytest.raises(
+        ValueError, match="unknown config key 'actor.optim.lr_scheduler'; did you mean actor.optim.lr_scheduler_type"
+    ):
         apply_overrides(Config(), ["actor.optim.lr_scheduler=cosine"])

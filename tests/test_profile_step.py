@@ -8,9 +8,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from profile_step import COLUMNS, kind, phase_table, profile_step  # noqa: E402
-
 from _trainers import make_trainer  # noqa: E402
+from profile_step import COLUMNS, kind, phase_table, profile_step  # noqa: E402
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -35,9 +34,14 @@ def test_operators_get_their_kind():
 
 def event(name, start, end, cpu_us=0.0, device_us=0.0, kernels=0, annotation=False, device_type=CPU):
     return SimpleNamespace(
-        name=name, time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=cpu_us,
-        self_device_time_total=device_us, kernels=[None] * kernels, is_user_annotation=annotation, device_type=device_type,
-    )  # fmt: skip
+        name=name,
+        time_range=SimpleNamespace(start=start, end=end),
+        self_cpu_time_total=cpu_us,
+        self_device_time_total=device_us,
+        kernels=[None] * kernels,
+        is_user_annotation=annotation,
+        device_type=device_type,
+    )
 
 
 def test_work_goes_to_the_phase_it_started_in():
@@ -60,12 +64,24 @@ def test_work_goes_to_the_phase_it_started_in():
     ]
     walls = {"timing_s/gen": 0.2, "timing_s/update_actor": 0.5}
     cpu = phase_table(events, walls, "cpu")
-    assert cpu["timing_s/gen"] == pytest.approx({"wall": 0.2, "busy": 65e-6, **dict.fromkeys(COLUMNS, 0.0),
-                                                 "matrix products": 10e-6, "elementwise and other": 55e-6, "kernels": 3})  # fmt: skip
+    assert cpu["timing_s/gen"] == pytest.approx(
+        {
+            "wall": 0.2,
+            "busy": 65e-6,
+            **dict.fromkeys(COLUMNS, 0.0),
+            "matrix products": 10e-6,
+            "elementwise and other": 55e-6,
+            "kernels": 3,
+        }
+    )
     up = cpu["timing_s/update_actor"]
-    assert (up["matrix products"], up["autograd engine"], up["optimizer"], up["busy"]) == pytest.approx((6e-6, 7e-6, 11e-6, 26e-6))
+    assert (up["matrix products"], up["autograd engine"], up["optimizer"], up["busy"]) == pytest.approx(
+        (6e-6, 7e-6, 11e-6, 26e-6)
+    )
     cuda = phase_table(events, walls, "cuda")
-    assert (cuda["timing_s/gen"]["busy"], cuda["timing_s/update_actor"]["matrix products"]) == pytest.approx((7e-6, 20e-6))
+    assert (cuda["timing_s/gen"]["busy"], cuda["timing_s/update_actor"]["matrix products"]) == pytest.approx(
+        (7e-6, 20e-6)
+    )
     assert cuda["timing_s/update_actor"]["compiled code"] == pytest.approx(6e-6)
     assert cuda["timing_s/update_actor"]["busy"] == pytest.approx(29e-6)
 
@@ -77,8 +93,14 @@ def test_a_profiled_step_splits_every_phase():
     metrics, events = profile_step(trainer, "cpu", warmup=1)
     walls = {k: v for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"}
     table = phase_table(events, walls, "cpu")
-    assert set(table) == set(walls) == {f"timing_s/{p}" for p in
-                                        ("gen", "reward", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor")}  # fmt: skip
+    assert (
+        set(table)
+        == set(walls)
+        == {
+            f"timing_s/{p}"
+            for p in ("gen", "reward", "ref", "old_log_prob", "values", "adv", "update_critic", "update_actor")
+        }
+    )
     for name, row in table.items():
         assert abs(row["busy"] - sum(row[k] for k in COLUMNS)) < 1e-9
         assert 0 < row["busy"] <= row["wall"], (name, row)

@@ -24,7 +24,10 @@ def test_chat_prompts_are_encoded_as_verl_encodes_them(template):
     verl's rollout calls."""
     chat_tok = chat_tokenizer(template)
     vocab = chat_tok.get_vocab()
-    chats = [[{"role": "user", "content": "abc"}], [{"role": "system", "content": "be brief"}, {"role": "user", "content": "d"}]]
+    chats = [
+        [{"role": "user", "content": "abc"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "d"}],
+    ]
     prompts = ["1+1=", chats[0], "7*8=", chats[1]]
     ids = encode_prompts(chat_tok, prompts)
     head = [vocab["<bos>"]] if template == "bos" else []
@@ -56,7 +59,6 @@ def test_prompts_that_are_neither_texts_nor_renderable_chats_are_refused(tok, pr
         tokenize_prompts(tok, ["1+1=", prompt])
 
 
-
 def test_position_ids_count_only_attended_tokens():
     mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5]]
@@ -69,4 +71,3 @@ def test_bad_prompts(tok):
         tokenize_prompts(tok, "1+1=")
     with pytest.raises(ValueError, match="sequence 0 has no tokens"):
         left_pad([[]], tok.pad_token_id)
-

@@ -53,9 +53,13 @@ def check_printed(values: list[float], comment: str) -> None:
 def readme_run():
     blocks = python_blocks(README.read_text())
     out = subprocess.run(
-        [sys.executable, "-c", RUNNER], input=json.dumps(blocks), capture_output=True, text=True,
-        cwd=README.parent, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps(blocks),
+        capture_output=True,
+        text=True,
+        cwd=README.parent,
+        timeout=600,
+    )
     assert out.returncode == 0, f"a README example failed:\n{out.stderr[-3000:]}"
     return blocks, json.loads(out.stdout)
 

@@ -4,17 +4,18 @@ through the config and the trainer."""
 
 import pytest
 import torch
+from _trainers import RECORDS, TOK, first_char_is_seven, make_trainer
 from transformers import GPT2Config
 
-from _trainers import RECORDS, TOK, first_char_is_seven, make_trainer
 from refppo.advantages import needs_critic, register_adv_est
-from refppo.config import Config, apply_overrides, validate
+from refppo.config import Config, apply_overrides
+from refppo.forward import response_log_probs
 from refppo.functional import masked_mean
 from refppo.kl import kl_penalty, kl_penalty_types, register_kl_estimator
 from refppo.losses import agg_loss, register_policy_loss
 from refppo.models import init_value_head, load_causal_lm, load_value_model, value_head
 from refppo.registry import Registry
-from refppo.forward import response_log_probs
+from refppo.settings import validate
 from refppo.trainer import PPOTrainer
 
 
@@ -95,7 +96,9 @@ def test_an_estimator_that_compares_a_group_asks_for_rollout_n():
     config = apply_overrides(Config(), ["algorithm.adv_estimator=grpo"])
     with pytest.raises(ValueError, match="rollout.n >= 2"):
         validate(config)
-    with pytest.raises(ValueError, match="algorithm.adv_estimator='test_nope' is not one of gae, grpo, rloo, test_reinforce"):
+    with pytest.raises(
+        ValueError, match="algorithm.adv_estimator='test_nope' is not one of gae, grpo, rloo, test_reinforce"
+    ):
         validate(apply_overrides(Config(), ["algorithm.adv_estimator=test_nope"]))
 
 
@@ -111,7 +114,9 @@ def test_new_policy_loss_trains_and_logs_only_its_own_metrics():
     assert "actor/mean_log_prob" in metrics and metrics["actor/mean_log_prob"] < 0
     assert not any(k.startswith(("actor/pg_clipfrac", "actor/ppo_kl")) for k in metrics)  # no zero-filled placeholders
     with pytest.raises(ValueError, match="takes no weights"):
-        validate(apply_overrides(Config(), ["actor.policy_loss=test_vanilla_pg", "actor.policy_mode=rollout_correction"]))
+        validate(
+            apply_overrides(Config(), ["actor.policy_loss=test_vanilla_pg", "actor.policy_mode=rollout_correction"])
+        )
     with pytest.raises(ValueError, match="takes no weights"):
         validate(apply_overrides(Config(), ["actor.policy_loss=penalty", "actor.policy_mode=rollout_correction"]))
 
@@ -140,7 +145,9 @@ def test_new_kl_estimator_gets_a_straight_through_form_and_reaches_the_config():
     assert torch.allclose(g, logp - ref)  # k2's gradient
     with pytest.raises(ValueError, match="trailing"):
         register_kl_estimator("bad+")
-    trainer = make_trainer(["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=test_sq", "algorithm.kl_ctrl.kl_coef=0.1"])
+    trainer = make_trainer(
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=test_sq", "algorithm.kl_ctrl.kl_coef=0.1"]
+    )
     batch, stats = trainer.make_experience(RECORDS[:16], {})
     mask = batch["response_mask"]
     kl = (batch["old_log_probs"] - batch["ref_log_prob"]).square() * mask
@@ -150,13 +157,23 @@ def test_new_kl_estimator_gets_a_straight_through_form_and_reaches_the_config():
 # ---- a new model family -------------------------------------------------------------------
 def test_a_gpt2_actor_and_critic_train_through_the_same_code():
     config = GPT2Config(
-        vocab_size=len(TOK), n_embd=32, n_layer=1, n_head=2, n_positions=64,
-        bos_token_id=TOK.bos_token_id, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(TOK),
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=TOK.bos_token_id,
+        eos_token_id=TOK.eos_token_id,
+        pad_token_id=TOK.pad_token_id,
+    )
     torch.manual_seed(0)
     actor, critic = load_causal_lm(config), load_value_model(config)
     assert value_head(critic) is critic.classifier and torch.equal(critic.classifier.bias, torch.zeros(1))
-    run_config = validate(apply_overrides(Config(), ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "data.max_response_length=4"]))
+    run_config = validate(
+        apply_overrides(
+            Config(), ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "data.max_response_length=4"]
+        )
+    )
     trainer = PPOTrainer(run_config, TOK, actor, critic, RECORDS, RECORDS[:4], reward_fn=first_char_is_seven)
     metrics = trainer.train_step()
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())

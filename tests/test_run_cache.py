@@ -34,4 +34,3 @@ def test_cached_run_trains_once_per_setting(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     with pytest.raises(ValueError, match="unknown command 'eval'"):
         run_cache.cached_run("eval", [], tmp_path)
-

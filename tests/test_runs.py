@@ -87,8 +87,12 @@ def test_a_torn_last_log_line_is_dropped_and_other_damage_refused(tmp_path):
 def test_a_resume_with_changed_settings_is_refused_before_any_write(tmp_path):
     _saved_run(tmp_path / "r")
     before = _snapshot(tmp_path / "r")
-    changed = apply_overrides(Config(), ["actor.optim.lr=1e-3", "model.path=/elsewhere", "trainer.total_training_steps=9"])
-    with pytest.raises(ValueError, match=r"changed: actor.optim.lr: 5e-05 -> 0.001; model.path: None -> '/elsewhere'\. Start a new"):
+    changed = apply_overrides(
+        Config(), ["actor.optim.lr=1e-3", "model.path=/elsewhere", "trainer.total_training_steps=9"]
+    )
+    with pytest.raises(
+        ValueError, match=r"changed: actor.optim.lr: 5e-05 -> 0.001; model.path: None -> '/elsewhere'\. Start a new"
+    ):
         check_resume(tmp_path / "r", changed)
     assert _snapshot(tmp_path / "r") == before  # config.json and the log untouched
     longer = apply_overrides(Config(), ["trainer.total_training_steps=9", "actor.ppo_micro_batch_size_per_gpu=4"])
@@ -105,7 +109,9 @@ def test_a_resume_may_turn_checkpointing_on_in_a_run_saved_before_the_setting_ex
         del saved["model"]["enable_gradient_checkpointing"], saved["critic"]["model"]["enable_gradient_checkpointing"]
 
     _rewrite_config(tmp_path / "r", predate)
-    on = apply_overrides(Config(), ["model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"])
+    on = apply_overrides(
+        Config(), ["model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"]
+    )
     assert check_resume(tmp_path / "r", on).step == 6
 
 
@@ -131,8 +137,11 @@ def test_a_run_saved_with_the_critics_old_explicit_default_resumes(tmp_path):
     _rewrite_config(tmp_path / "r", lambda saved: saved["critic"].update(loss_agg_mode="token-mean"))
     assert check_resume(tmp_path / "r", Config()).step == 6
     other = apply_overrides(Config(), ["actor.loss_agg_mode=seq-mean-token-mean"])
-    with pytest.raises(ValueError, match="changed: actor.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'; "
-                                         "critic.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="changed: actor.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'; "
+        "critic.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'",
+    ):
         check_resume(tmp_path / "r", other)
 
 
@@ -160,7 +169,9 @@ def test_a_full_disk_keeps_the_last_good_checkpoint(tmp_path):
         (folder / STATE_FILE).write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(OSError, match=r"no space left on the disk: writing checkpoint step_000003 failed .*\(step 2\) is intact"):
+    with pytest.raises(
+        OSError, match=r"no space left on the disk: writing checkpoint step_000003 failed .*\(step 2\) is intact"
+    ):
         run.save_checkpoint(3, disk_full)
     assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_000002"]
     assert check_resume(tmp_path / "r", Config()).step == 2
@@ -170,7 +181,12 @@ def test_the_default_saves_periodically():
     assert 1 <= Config().trainer.save_freq <= 100
 
 
-TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1"]
+TINY = [
+    "model.hidden_size=32",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
+]
 KILL_MID_SAVE = """
 import os, signal, sys, torch
 real = torch.save
@@ -191,14 +207,27 @@ def test_sigkills_during_training_then_resume_give_the_uninterrupted_metrics(tmp
     for line (timings aside), with every checkpoint in place."""
     assert main(["sft", f"trainer.output_dir={tmp_path / 'sft'}", "sft.steps=3", "sft.batch_size=8", *TINY]) == 0
     args = [
-        "ppo", f"model.path={tmp_path / 'sft' / 'model'}", "trainer.total_training_steps=7", "trainer.save_freq=1",
-        "trainer.test_freq=3", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "data.val_size=8",
-        "data.max_response_length=4", "trainer.critic_warmup=0", "trainer.progress_bar=false",
-    ]  # fmt: skip
+        "ppo",
+        f"model.path={tmp_path / 'sft' / 'model'}",
+        "trainer.total_training_steps=7",
+        "trainer.save_freq=1",
+        "trainer.test_freq=3",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=4",
+        "data.val_size=8",
+        "data.max_response_length=4",
+        "trainer.critic_warmup=0",
+        "trainer.progress_bar=false",
+    ]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
 
     def start(out, *extra, script=("-m", "refppo")):
-        return subprocess.Popen([sys.executable, *script, *args, f"trainer.output_dir={out}", *extra], env=env, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, *script, *args, f"trainer.output_dir={out}", *extra],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     whole = start(tmp_path / "whole")
     assert whole.wait() == 0, whole.stderr.read()

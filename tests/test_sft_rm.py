@@ -4,10 +4,10 @@ import math
 
 import torch
 
-from refppo.models import load_causal_lm, load_value_model, tiny_config
-from refppo.reward_model import bradley_terry_loss, center_reward_model, train_reward_model
 from refppo.forward import compute_scores
+from refppo.models import load_causal_lm, load_value_model, tiny_config
 from refppo.prompts import build_batch
+from refppo.reward_model import bradley_terry_loss, center_reward_model, train_reward_model
 from refppo.sft import sft_loss, train_sft
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
@@ -57,7 +57,10 @@ def test_train_sft_learns_the_examples():
 
 def test_bradley_terry_loss_against_a_plain_reference():
     gen = torch.Generator().manual_seed(0)
-    chosen, rejected = torch.randn(50, generator=gen, dtype=torch.float64), torch.randn(50, generator=gen, dtype=torch.float64)
+    chosen, rejected = (
+        torch.randn(50, generator=gen, dtype=torch.float64),
+        torch.randn(50, generator=gen, dtype=torch.float64),
+    )
     loss, acc = bradley_terry_loss(chosen, rejected)
     ref = sum(-math.log(1 / (1 + math.exp(-(c - r)))) for c, r in zip(chosen.tolist(), rejected.tolist())) / 50
     assert math.isclose(loss.item(), ref, rel_tol=1e-12)

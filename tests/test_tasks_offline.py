@@ -64,7 +64,9 @@ def test_comparisons_follow_bradley_terry():
     noise = 0.2
     pairs = preference.make_comparisons(4000, seed=0, noise=noise)
     # Chosen responses should win with the probability the model assigns, on average.
-    expected = sum(1 / (1 + math.exp(-abs(preference.gold_score(p, c) - preference.gold_score(p, r)) / noise)) for p, c, r in pairs)
+    expected = sum(
+        1 / (1 + math.exp(-abs(preference.gold_score(p, c) - preference.gold_score(p, r)) / noise)) for p, c, r in pairs
+    )
     agree = sum(preference.gold_score(p, c) >= preference.gold_score(p, r) for p, c, r in pairs)
     assert abs(agree - expected) < 4 * math.sqrt(len(pairs) * 0.25)
     assert all(set(c) <= set(preference.LETTERS) for _, c, _ in pairs)

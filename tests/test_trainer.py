@@ -3,12 +3,14 @@ import math
 
 import pytest
 import torch
-
 from _trainers import make_trainer
-import refppo.trainer
+
+from refppo.fit import fit
 from refppo.forward import ForwardPasses
+from refppo.metrics import bar_fields
+from refppo.reward_fns import check_scores
 from refppo.runs import RunFolder, check_resume
-from refppo.trainer import check_scores, fit
+from refppo.update import MAX_SKIPPED_UPDATES, count_skips
 
 
 def _run(trainer, steps):
@@ -30,17 +32,51 @@ def test_score_improves_end_to_end():
 def test_step_metrics_use_verls_names_and_are_finite():
     metrics = make_trainer(["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"]).train_step()
     expected = [
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-        "actor/kl_loss", "actor/kl_coef", "actor/grad_norm", "actor/lr", "critic/lr", "critic/vf_loss", "critic/vf_clipfrac",
-        "critic/vf_explained_var", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
-        "critic/returns/mean", "critic/values/mean", "response_length/mean", "response_length/clip_ratio",
-        "timing_s/gen", "timing_s/ref", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv",
-        "timing_s/update_actor", "timing_s/update_critic", "timing_s/step", "perf/throughput",
-        "perf/max_memory_allocated_gb", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
-        "critic/score/max", "critic/advantages/min", "critic/values/max", "critic/vpred_mean", "prompt_length/mean", "prompt_length/clip_ratio",
-        "response_length/max", "training/rollout_actor_probs_pearson_corr", "perf/total_num_tokens",
-        "perf/time_per_step", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor",
-    ]  # fmt: skip
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/kl_coef",
+        "actor/grad_norm",
+        "actor/lr",
+        "critic/lr",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vf_explained_var",
+        "critic/score/mean",
+        "critic/rewards/mean",
+        "critic/advantages/mean",
+        "critic/returns/mean",
+        "critic/values/mean",
+        "response_length/mean",
+        "response_length/clip_ratio",
+        "timing_s/gen",
+        "timing_s/ref",
+        "timing_s/old_log_prob",
+        "timing_s/values",
+        "timing_s/adv",
+        "timing_s/update_actor",
+        "timing_s/update_critic",
+        "timing_s/step",
+        "perf/throughput",
+        "perf/max_memory_allocated_gb",
+        "actor/reward_kl_penalty",
+        "actor/reward_kl_penalty_coeff",
+        "critic/score/max",
+        "critic/advantages/min",
+        "critic/values/max",
+        "critic/vpred_mean",
+        "prompt_length/mean",
+        "prompt_length/clip_ratio",
+        "response_length/max",
+        "training/rollout_actor_probs_pearson_corr",
+        "perf/total_num_tokens",
+        "perf/time_per_step",
+        "timing_per_token_ms/gen",
+        "timing_per_token_ms/update_actor",
+    ]
     missing = [k for k in expected if k not in metrics]
     assert not missing
     assert all(math.isfinite(v) for v in metrics.values())
@@ -68,7 +104,12 @@ def test_first_minibatch_has_ratio_one_in_decoupled_mode():
         ["algorithm.adv_estimator=grpo", "rollout.n=4"],
         ["algorithm.adv_estimator=rloo", "rollout.n=4", "actor.loss_agg_mode=seq-mean-token-mean"],
         ["actor.clip_ratio_c=null", "actor.clip_ratio_high=0.28", "rollout.top_k=5", "rollout.top_p=0.9"],
-        ["actor.optim.lr_scheduler_type=cosine", "actor.optim.min_lr_ratio=0.1", "critic.optim.lr_warmup_steps=1", "trainer.critic_warmup=1"],
+        [
+            "actor.optim.lr_scheduler_type=cosine",
+            "actor.optim.min_lr_ratio=0.1",
+            "critic.optim.lr_warmup_steps=1",
+            "trainer.critic_warmup=1",
+        ],
     ],
 )
 def test_modes_run(overrides):
@@ -92,7 +133,8 @@ def test_critic_has_its_own_epochs_and_mini_batches():
 def test_missing_eos_penalty_lowers_unfinished_responses_only():
     penalty = 0.75
     trainer = make_trainer(
-        [f"reward_model.missing_eos_penalty={penalty}", "data.train_batch_size=64", "data.max_response_length=8"], reward_fn=lambda p, r, rec: torch.ones(len(r))
+        [f"reward_model.missing_eos_penalty={penalty}", "data.train_batch_size=64", "data.max_response_length=8"],
+        reward_fn=lambda p, r, rec: torch.ones(len(r)),
     )
     batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
     scores = batch["token_level_scores"].sum(-1)  # the sequence scores
@@ -104,9 +146,15 @@ def test_missing_eos_penalty_lowers_unfinished_responses_only():
 def test_kl_controller_moves_in_the_reward():
     target, horizon = 0.01, 10
     trainer = make_trainer(
-        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=abs", "algorithm.kl_ctrl.type=adaptive",
-         "algorithm.kl_ctrl.kl_coef=0.1", f"algorithm.kl_ctrl.target_kl={target}", f"algorithm.kl_ctrl.horizon={horizon}"]
-    )  # fmt: skip
+        [
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_penalty=abs",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.1",
+            f"algorithm.kl_ctrl.target_kl={target}",
+            f"algorithm.kl_ctrl.horizon={horizon}",
+        ]
+    )
     m = _run(trainer, 4)
     assert m[0]["actor/reward_kl_penalty"] == 0.0  # the actor starts as the reference
     assert m[0]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
@@ -127,7 +175,9 @@ def test_critic_warmup_skips_the_actor():
 
 def test_lr_metrics_are_each_updates_own_and_warm_up_starts_at_zero():
     lr = 3e-3  # make_trainer's, for both models
-    trainer = make_trainer(["actor.optim.lr_warmup_steps=2", "critic.optim.lr_warmup_steps=2", "trainer.critic_warmup=1"])
+    trainer = make_trainer(
+        ["actor.optim.lr_warmup_steps=2", "critic.optim.lr_warmup_steps=2", "trainer.critic_warmup=1"]
+    )
     actor, critic = ([p.clone() for p in net.parameters()] for net in (trainer.actor, trainer.critic))
     m = [trainer.train_step()]
     assert "actor/lr" not in m[0] and m[0]["critic/lr"] == 0.0  # verl: no actor update, so no actor/lr
@@ -212,26 +262,36 @@ def test_nonfinite_gradient_skips_the_step():
 def test_a_run_whose_updates_are_all_skipped_stops_with_an_error():
     """Scores of 1e30 give a non-finite gradient in every update: the run must stop, not finish."""
     trainer = make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), 1e30))
-    limit = refppo.trainer.MAX_SKIPPED_UPDATES
+    limit = MAX_SKIPPED_UPDATES
     with pytest.raises(FloatingPointError, match=f"the last {limit} critic updates were all skipped"):
         _run(trainer, limit)  # 2 critic updates a step
     assert trainer.step == limit // 2 - 1
-    trainer = make_trainer()
+    skipped = {}
     for finite in [False] * (limit - 1) + [True] + [False] * (limit - 1):  # a good update resets the count
-        trainer._count_skips("actor", finite)
-    assert trainer.skipped_in_a_row["actor"] == limit - 1
+        count_skips(skipped, "actor", finite)
+    assert skipped["actor"] == limit - 1
 
 
-SPLITS = {"rows": ["actor.ppo_micro_batch_size_per_gpu=2"], "tokens": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=32"]}
+SPLITS = {
+    "rows": ["actor.ppo_micro_batch_size_per_gpu=2"],
+    "tokens": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=32"],
+}
 
 
 @pytest.mark.parametrize("split_by", list(SPLITS))
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+)
 def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split_by):
     """The first mini-batch's logged stats (before any update) equal with one micro-batch and
     with several (of 2 rows, or of a 32-token budget: rows regrouped, padding cut): the loss
     stats combine like the loss, the token means by token share."""
-    settings = [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01"]
+    settings = [
+        f"actor.loss_agg_mode={mode}",
+        f"critic.loss_agg_mode={mode}",
+        "actor.use_kl_loss=true",
+        "actor.entropy_coeff=0.01",
+    ]
     whole, split = make_trainer(settings), make_trainer([*settings, *SPLITS[split_by]])
     batch, _ = whole.make_experience(whole.sampler.next_batch(), {})
     split.sampler.next_batch()
@@ -239,7 +299,13 @@ def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split
         trainer.shuffle_gen.manual_seed(0)
         mini = trainer._minibatch_updates({k: v.clone() for k, v in batch.items()}, "actor")[0]
         trainer.first = {k: float(v) for k, v in mini.items() if k != "actor/grad_norm"}
-    assert set(whole.first) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "actor/pg_clipfrac", "actor/ppo_kl"}
+    assert set(whole.first) >= {
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+    }
     assert whole.first == pytest.approx(split.first, rel=1e-5, abs=1e-7)
     first_mini = {k: v[:8] for k, v in batch.items()}
     micro = split.config.actor.ppo_micro_batch_size_per_gpu
@@ -247,7 +313,9 @@ def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split
 
 
 def test_reward_function_errors():
-    with pytest.raises(ValueError, match=r"reward function test_trainer:.*<lambda> returned shape \(3,\); expected \(16,\)"):
+    with pytest.raises(
+        ValueError, match=r"reward function test_trainer:.*<lambda> returned shape \(3,\); expected \(16,\)"
+    ):
         make_trainer(reward_fn=lambda p, r, rec: torch.zeros(3)).train_step()
     for wrong in (None, {"score": 1.0}, ["good"] * 16):
         with pytest.raises(ValueError, match=f"returned a {type(wrong).__name__}; expected 16 numbers"):
@@ -268,6 +336,7 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     with pytest.raises(ValueError, match="values contains NaN or inf"):
         trainer.train_step()  # GAE's own input check
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor_params))
+
     def nan_log_probs(self, model, batch, temperature=1.0, micro_batch_size=None, calculate_entropy=False):
         nan = torch.full_like(batch["rollout_log_probs"], float("nan"))
         return (nan, torch.zeros_like(nan)) if calculate_entropy else nan
@@ -289,7 +358,9 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     trainer = make_trainer(["actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2"])
     batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
     syncs = []
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self, _tolist=torch.Tensor.tolist: syncs.append(1) or _tolist(self))
+    monkeypatch.setattr(
+        torch.Tensor, "tolist", lambda self, _tolist=torch.Tensor.tolist: syncs.append(1) or _tolist(self)
+    )
     trainer.update(batch, {})
     assert syncs == [], f"{len(syncs)} value-check host syncs in the update loop (8 micro-batches)"
 
@@ -305,8 +376,11 @@ def test_the_update_computes_the_entropy_only_with_a_coefficient(monkeypatch, fu
     asked, differentiated = [], []
     plain_grads = L._chunked_grads
     monkeypatch.setattr(L, "_chunked_grads", lambda *a: differentiated.append(a[3] is not None) or plain_grads(*a))
-    for setting, computed, bonus in (("actor.entropy_coeff=0", False, False), ("actor.entropy_coeff=0.01", True, True),
-                                      ("actor.calculate_entropy=true", True, False)):  # fmt: skip
+    for setting, computed, bonus in (
+        ("actor.entropy_coeff=0", False, False),
+        ("actor.entropy_coeff=0.01", True, True),
+        ("actor.calculate_entropy=true", True, False),
+    ):
         asked.clear(), differentiated.clear()
         trainer = make_trainer([setting, f"model.use_fused_kernels={fused}"])
         log_probs = trainer.accel.actor.log_probs
@@ -316,7 +390,9 @@ def test_the_update_computes_the_entropy_only_with_a_coefficient(monkeypatch, fu
                 asked.append(calculate_entropy)
             return _plain(model, batch, temperature, calculate_entropy)
 
-        trainer.accel = dataclasses.replace(trainer.accel, actor=dataclasses.replace(trainer.accel.actor, log_probs=spy))
+        trainer.accel = dataclasses.replace(
+            trainer.accel, actor=dataclasses.replace(trainer.accel.actor, log_probs=spy)
+        )
         metrics = trainer.train_step()
         assert metrics["actor/entropy"] > 0 and ("actor/entropy_loss" in metrics) == computed
         assert asked and all(a == computed for a in asked), (setting, asked)
@@ -325,8 +401,8 @@ def test_the_update_computes_the_entropy_only_with_a_coefficient(monkeypatch, fu
 
 def test_the_progress_bar_shows_the_kl_to_the_reference_when_one_is_computed():
     plain = make_trainer().train_step()
-    assert list(refppo.trainer.bar_fields(plain)) == ["score", "ppo_kl", "step_s"]
+    assert list(bar_fields(plain)) == ["score", "ppo_kl", "step_s"]
     both = make_trainer(["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"]).train_step()
-    fields = refppo.trainer.bar_fields(both)
+    fields = bar_fields(both)
     assert list(fields) == ["score", "ref_kl", "kl_loss", "ppo_kl", "step_s"]
     assert fields["ref_kl"] == f"{both['actor/reward_kl_penalty']:.4g}"

@@ -12,16 +12,31 @@ actor that moved exactly when a gradient reached it.
 import math
 
 import torch
+from _trainers import make_trainer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _trainers import make_trainer
 from refppo.losses import POLICY_LOSSES
 
 AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PROMPT_LEN = 16  # data.max_prompt_length's default
 # The built-in names, not the registries' (other tests register their own there).
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+")
+KL_TYPES = (
+    "kl",
+    "k1",
+    "abs",
+    "mse",
+    "k2",
+    "low_var_kl",
+    "k3",
+    "kl+",
+    "k1+",
+    "abs+",
+    "mse+",
+    "k2+",
+    "low_var_kl+",
+    "k3+",
+)
 LOSSES = ("clip", "penalty")
 
 
@@ -29,7 +44,9 @@ def _batching(draw, role: str, rows_per_mini: int, longest: int) -> list[str]:
     """Rows per micro-batch that divide the mini-batch, a token budget, or the whole mini-batch."""
     kind = draw(st.sampled_from(["whole", "rows", "tokens"]))
     if kind == "rows":
-        return [f"{role}.ppo_micro_batch_size_per_gpu={draw(st.sampled_from([d for d in (1, 2, 4) if rows_per_mini % d == 0]))}"]
+        return [
+            f"{role}.ppo_micro_batch_size_per_gpu={draw(st.sampled_from([d for d in (1, 2, 4) if rows_per_mini % d == 0]))}"  # noqa: E501
+        ]
     if kind == "tokens":
         return [f"{role}.use_dynamic_bsz=true", f"{role}.ppo_max_token_len_per_gpu={longest * draw(st.integers(1, 3))}"]
     return []
@@ -51,39 +68,53 @@ def configs(draw) -> tuple[list[str], int]:
     mode = draw(st.sampled_from(["decoupled", "bypass", *(["rollout_correction"] if weighted else [])]))
     warmup = draw(st.sampled_from([0, 1]))
     overrides = [
-        f"algorithm.adv_estimator={estimator}", f"rollout.n={n}", f"data.train_batch_size={prompts}",
-        f"data.max_response_length={response_len}", f"actor.ppo_mini_batch_size={mini}",
-        f"actor.ppo_epochs={draw(st.integers(1, 2))}", f"actor.policy_mode={mode}",
-        f"actor.policy_loss={loss}", f"actor.loss_agg_mode={draw(st.sampled_from(AGG))}",
+        f"algorithm.adv_estimator={estimator}",
+        f"rollout.n={n}",
+        f"data.train_batch_size={prompts}",
+        f"data.max_response_length={response_len}",
+        f"actor.ppo_mini_batch_size={mini}",
+        f"actor.ppo_epochs={draw(st.integers(1, 2))}",
+        f"actor.policy_mode={mode}",
+        f"actor.policy_loss={loss}",
+        f"actor.loss_agg_mode={draw(st.sampled_from(AGG))}",
         f"actor.entropy_coeff={(coeff := draw(st.sampled_from([0.0, 0.01])))}",
         *([f"actor.calculate_entropy={draw(st.booleans())}"] if coeff == 0 else []),
-        f"model.use_fused_kernels={draw(st.booleans())}", f"actor.use_torch_compile={draw(st.booleans())}",
+        f"model.use_fused_kernels={draw(st.booleans())}",
+        f"actor.use_torch_compile={draw(st.booleans())}",
         f"model.enable_gradient_checkpointing={draw(st.booleans())}",
-        f"rollout.temperature={draw(st.sampled_from([0.7, 1.0]))}", f"rollout.top_k={draw(st.sampled_from([-1, 3]))}",
+        f"rollout.temperature={draw(st.sampled_from([0.7, 1.0]))}",
+        f"rollout.top_k={draw(st.sampled_from([-1, 3]))}",
         f"rollout.top_p={draw(st.sampled_from([1.0, 0.8]))}",
         f"reward_model.missing_eos_penalty={draw(st.sampled_from([0.0, 1.0]))}",
-        f"trainer.critic_warmup={warmup}", "trainer.total_training_steps=3",
+        f"trainer.critic_warmup={warmup}",
+        "trainer.total_training_steps=3",
         *_batching(draw, "actor", mini * n, longest),
-    ]  # fmt: skip
+    ]
     # Settings another one turns off are drawn only where they are read (validate refuses the rest).
     if loss == "penalty":
         overrides += [f"actor.penalty_kl_type={draw(st.sampled_from(KL_TYPES))}"]
     else:
-        overrides += [f"actor.clip_ratio_c={draw(st.sampled_from(['null', '3.0']))}",
-                      f"actor.clip_ratio_high={draw(st.sampled_from(['null', '0.28']))}"]  # fmt: skip
+        overrides += [
+            f"actor.clip_ratio_c={draw(st.sampled_from(['null', '3.0']))}",
+            f"actor.clip_ratio_high={draw(st.sampled_from(['null', '0.28']))}",
+        ]
     if draw(st.booleans()):
         overrides += ["actor.use_kl_loss=true", f"actor.kl_loss_type={draw(st.sampled_from(KL_TYPES))}"]
     if draw(st.booleans()):
-        overrides += ["algorithm.use_kl_in_reward=true", f"algorithm.kl_penalty={draw(st.sampled_from(KL_TYPES))}",
-                      f"algorithm.kl_ctrl.type={draw(st.sampled_from(['fixed', 'adaptive', 'ppo_paper']))}"]  # fmt: skip
+        overrides += [
+            "algorithm.use_kl_in_reward=true",
+            f"algorithm.kl_penalty={draw(st.sampled_from(KL_TYPES))}",
+            f"algorithm.kl_ctrl.type={draw(st.sampled_from(['fixed', 'adaptive', 'ppo_paper']))}",
+        ]
     if estimator == "gae":
         overrides += [
-            f"critic.ppo_mini_batch_size={critic_mini}", f"critic.ppo_epochs={draw(st.integers(1, 2))}",
+            f"critic.ppo_mini_batch_size={critic_mini}",
+            f"critic.ppo_epochs={draw(st.integers(1, 2))}",
             f"critic.loss_agg_mode={draw(st.sampled_from([*AGG, 'null']))}",  # null: the actor's
             f"critic.cliprange_value={draw(st.sampled_from(['null', '0.5']))}",
             f"critic.model.enable_gradient_checkpointing={draw(st.booleans())}",
             *_batching(draw, "critic", critic_mini * n, longest),
-        ]  # fmt: skip
+        ]
     return overrides, warmup + 1, draw(st.sampled_from([0, 4]))
 
 
@@ -96,7 +127,9 @@ def spread_reward(prompts, responses, records):
 @given(configs(), st.integers(0, 2**16))
 def test_every_valid_combination_trains(drawn, seed):
     overrides, first_actor_step, lora_rank = drawn
-    trainer = make_trainer([*overrides, f"trainer.seed={seed}"], seed=seed, reward_fn=spread_reward, lora_rank=lora_rank)
+    trainer = make_trainer(
+        [*overrides, f"trainer.seed={seed}"], seed=seed, reward_fn=spread_reward, lora_rank=lora_rank
+    )
     actor_before = [p.detach().clone() for p in trainer.actor.parameters()]
     config = trainer.config
     grad_norms = []
@@ -114,7 +147,10 @@ def test_every_valid_combination_trains(drawn, seed):
             if config.actor.use_kl_loss and step == 1:
                 assert abs(first["actor/kl_loss"]) <= 1e-6, (overrides, lora_rank)
             if config.actor.policy_mode == "decoupled":
-                assert abs(first["actor/ppo_kl"]) <= 1e-6 and first.get("actor/pg_clipfrac", 0.0) == 0.0, (overrides, lora_rank)
+                assert abs(first["actor/ppo_kl"]) <= 1e-6 and first.get("actor/pg_clipfrac", 0.0) == 0.0, (
+                    overrides,
+                    lora_rank,
+                )
     after = list(trainer.actor.parameters())
     assert all(torch.isfinite(p).all() for p in after), (overrides, lora_rank)
     # Adam moves a weight only where a gradient was (no weight decay): tied scores give none.

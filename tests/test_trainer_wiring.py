@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
-
 from _trainers import TOK, first_char_is_seven, make_trainer
 
 import refppo.trainer
 from refppo.forward import compute_log_probs, compute_values
+from refppo.metrics import data_metrics, gather
 
 BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.grad_clip=1e9", "critic.grad_clip=1e9"]
 
@@ -147,7 +147,9 @@ def expected_actor_loss(trainer, batch):
         if a.policy_mode == "rollout_correction":
             pg = pg * torch.exp(old - batch["rollout_log_probs"]).clamp(max=a.rollout_is_threshold)
     scale = a.loss_scale_factor or trainer.config.data.max_response_length
-    loss = plain_agg(pg, mask, a.loss_agg_mode, scale) - a.entropy_coeff * plain_agg(entropy, mask, a.loss_agg_mode, scale)
+    loss = plain_agg(pg, mask, a.loss_agg_mode, scale) - a.entropy_coeff * plain_agg(
+        entropy, mask, a.loss_agg_mode, scale
+    )
     if a.use_kl_loss:
         assert a.kl_loss_type in ("k2", "mse")
         k2 = 0.5 * (logp - batch["ref_log_prob"]) ** 2
@@ -199,17 +201,31 @@ def check_every_update(overrides, steps=2, prepare=None):
     return trainer
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 @pytest.mark.parametrize("micro", [None, 2])
 def test_every_update_has_the_plain_gradient_for_every_aggregation(mode, micro):
     check_every_update(
-        [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "actor.ppo_epochs=2",
-         *([f"actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}"] if micro else [])]
-    )  # fmt: skip
+        [
+            f"actor.loss_agg_mode={mode}",
+            f"critic.loss_agg_mode={mode}",
+            "actor.ppo_epochs=2",
+            *(
+                [f"actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}"]
+                if micro
+                else []
+            ),
+        ]
+    )
 
 
 @pytest.mark.parametrize(
-    "actor_only", [["actor.loss_agg_mode=seq-mean-token-sum"], ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=3"]]
+    "actor_only",
+    [
+        ["actor.loss_agg_mode=seq-mean-token-sum"],
+        ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=3"],
+    ],
 )
 def test_the_critic_takes_the_actors_loss_mode_and_constant_when_its_own_are_unset(actor_only):
     """verl's critic.loss_agg_mode and (0.9) critic.loss_scale_factor default to the actor's."""
@@ -226,9 +242,14 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_length_not_the_batch_
             trainer.actor.lm_head.weight[TOK.eos_token_id] += 5.0  # ends most responses after 2-5 tokens
 
     trainer = check_every_update(
-        ["actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=seq-mean-token-sum-norm",
-         "data.max_response_length=8", "actor.ppo_micro_batch_size_per_gpu=2"], prepare=early_eos,
-    )  # fmt: skip
+        [
+            "actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "critic.loss_agg_mode=seq-mean-token-sum-norm",
+            "data.max_response_length=8",
+            "actor.ppo_micro_batch_size_per_gpu=2",
+        ],
+        prepare=early_eos,
+    )
     widths = [b["responses"].shape[1] for b in trainer.evaluated_batches]
     assert min(widths) < 8, f"widths {widths}: no batch narrower than the limit, the check would be vacuous"
 
@@ -243,19 +264,31 @@ def test_token_budget_micro_batches_give_the_plain_gradient(mode):
         with torch.no_grad():
             trainer.actor.lm_head.weight[TOK.eos_token_id] += 3.0  # responses end after 1-8 tokens
 
-    budget = ["data.max_prompt_length=6", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=14",
-              "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=14", "algorithm.use_kl_in_reward=true"]
+    budget = [
+        "data.max_prompt_length=6",
+        "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_gpu=14",
+        "critic.use_dynamic_bsz=true",
+        "critic.ppo_max_token_len_per_gpu=14",
+        "algorithm.use_kl_in_reward=true",
+    ]
     trainer = check_every_update(
-        [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "data.max_response_length=8", *budget], prepare=ragged
+        [f"actor.loss_agg_mode={mode}", f"critic.loss_agg_mode={mode}", "data.max_response_length=8", *budget],
+        prepare=ragged,
     )
     lengths = trainer.evaluated_batches[-1]["response_mask"].sum(-1)
     assert lengths.min() < lengths.max(), "a vacuous check: every response has the same length"
-    assert len(trainer.accel.actor.micro_batches(trainer.evaluated_batches[-1], None)) > 3, "a vacuous check: few micro-batches"
+    assert len(trainer.accel.actor.micro_batches(trainer.evaluated_batches[-1], None)) > 3, (
+        "a vacuous check: few micro-batches"
+    )
     fresh = make_trainer([*BATCH, *budget])
     ragged(fresh)
     batch, _ = fresh.make_experience(fresh.sampler.next_batch(), {})
-    for key, whole in [("old_log_probs", compute_log_probs(fresh.actor, batch)), ("ref_log_prob", compute_log_probs(fresh.reference, batch)),
-                       ("values", compute_values(fresh.critic, batch))]:
+    for key, whole in [
+        ("old_log_probs", compute_log_probs(fresh.actor, batch)),
+        ("ref_log_prob", compute_log_probs(fresh.reference, batch)),
+        ("values", compute_values(fresh.critic, batch)),
+    ]:
         assert torch.allclose(batch[key], whole, atol=1e-5), key
 
 
@@ -272,8 +305,14 @@ def test_token_budget_micro_batches_give_the_plain_gradient(mode):
         ["algorithm.adv_estimator=grpo", "rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"],
         ["rollout.temperature=0.7"],
         # log-probs from the hidden states (the LM head fused into the log-softmax), every term on
-        ["model.use_fused_kernels=true", "actor.entropy_coeff=0.3", "actor.use_kl_loss=true", "actor.kl_loss_type=k2",
-         "actor.kl_loss_coef=0.5", "rollout.temperature=0.7"],
+        [
+            "model.use_fused_kernels=true",
+            "actor.entropy_coeff=0.3",
+            "actor.use_kl_loss=true",
+            "actor.kl_loss_type=k2",
+            "actor.kl_loss_coef=0.5",
+            "rollout.temperature=0.7",
+        ],
     ],
 )
 def test_every_update_has_the_plain_gradient(overrides):
@@ -303,9 +342,17 @@ def test_terms_change_the_gradient_by_exactly_their_own_term():
     g0 = actor_grad()
     mask = batch["response_mask"].float()
     logp, entropy = plain_forward(base.actor, batch)
-    g_entropy = torch.cat([g.flatten() for g in torch.autograd.grad(plain_agg(entropy, mask, "token-mean"), params, retain_graph=True)])
-    g_k2 = torch.cat([g.flatten() for g in torch.autograd.grad(
-        plain_agg(0.5 * (logp - batch["ref_log_prob"]) ** 2, mask, "token-mean"), params)])  # fmt: skip
+    g_entropy = torch.cat(
+        [g.flatten() for g in torch.autograd.grad(plain_agg(entropy, mask, "token-mean"), params, retain_graph=True)]
+    )
+    g_k2 = torch.cat(
+        [
+            g.flatten()
+            for g in torch.autograd.grad(
+                plain_agg(0.5 * (logp - batch["ref_log_prob"]) ** 2, mask, "token-mean"), params
+            )
+        ]
+    )
     assert assert_grad_close(actor_grad(entropy_coeff=0.25) - g0, -0.25 * g_entropy)
     assert assert_grad_close(actor_grad(kl_loss_coef=0.5) - g0, 0.5 * g_k2)
 
@@ -314,10 +361,12 @@ def test_fused_kernels_never_run_the_lm_head_over_the_responses():
     """model.use_fused_kernels: the old-log-prob, reference and update passes never call the LM
     head (whose output would be the whole logits); sampling still does, one position at a time."""
     for fused in (False, True):
-        trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", f"model.use_fused_kernels={str(fused).lower()}"])
+        trainer = make_trainer(
+            [*BATCH, "algorithm.use_kl_in_reward=true", f"model.use_fused_kernels={str(fused).lower()}"]
+        )
         positions = []
         for model in (trainer.actor, trainer.reference):
-            model.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[1]))
+            model.lm_head.register_forward_hook(lambda module, args, out, seen=positions: seen.append(args[0].shape[1]))
         trainer.train_step()
         assert positions and (max(positions) > 1) != fused, (fused, sorted(set(positions)))
 
@@ -338,8 +387,14 @@ def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, mo
 
     monkeypatch.setattr(refppo.trainer, "timer", in_phase)
     for compiled in (False, True):
-        trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", f"model.use_fused_kernels={fused}",
-                                f"actor.use_torch_compile={compiled}"])  # fmt: skip
+        trainer = make_trainer(
+            [
+                *BATCH,
+                "algorithm.use_kl_in_reward=true",
+                f"model.use_fused_kernels={fused}",
+                f"actor.use_torch_compile={compiled}",
+            ]
+        )
         seen.clear()
         trainer.train_step()
         passes = {"ref", "old_log_prob", "update_actor"}
@@ -347,17 +402,28 @@ def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, mo
         assert seen == (expected if compiled else set()), (compiled, seen)
 
 
-@pytest.mark.parametrize("mode, fused", [("decoupled", False), ("bypass", False), ("rollout_correction", False), ("decoupled", True)])
+@pytest.mark.parametrize(
+    "mode, fused", [("decoupled", False), ("bypass", False), ("rollout_correction", False), ("decoupled", True)]
+)
 def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     """old log-probs from the actor (or the rollout), reference log-probs from the frozen copy,
     values from the critic, the score on the last token, KL in the reward, GAE, IS weights, and
     verl 0.9's actor/entropy (the sampling policy's, aggregated as the loss is); the same with
     the log-probs computed from the hidden states (model.use_fused_kernels)."""
-    trainer = make_trainer([*BATCH, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.3",
-                            "algorithm.lam=0.9", "algorithm.gamma=0.95", f"actor.policy_mode={mode}",
-                            "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=3",
-                            f"model.use_fused_kernels={str(fused).lower()}",
-                            *(["actor.rollout_is_threshold=1.02"] if mode == "rollout_correction" else [])])  # fmt: skip
+    trainer = make_trainer(
+        [
+            *BATCH,
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.kl_coef=0.3",
+            "algorithm.lam=0.9",
+            "algorithm.gamma=0.95",
+            f"actor.policy_mode={mode}",
+            "actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor.loss_scale_factor=3",
+            f"model.use_fused_kernels={str(fused).lower()}",
+            *(["actor.rollout_is_threshold=1.02"] if mode == "rollout_correction" else []),
+        ]
+    )
     reference = copy.deepcopy(trainer.actor)
     perturb_rollout_log_probs(trainer)
     trainer.train_step()  # actor and critic move; the reference must not
@@ -390,7 +456,9 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     # KL in the reward: every valid token loses beta * (log pi_old - log pi_ref)
     kl = (batch["old_log_probs"] - batch["ref_log_prob"]) * mask
     torch.testing.assert_close(batch["token_level_rewards"], placed - 0.3 * kl)
-    assert stats["actor/reward_kl_penalty"].item() == pytest.approx(((kl.sum(-1) / mask.sum(-1)).mean()).item(), abs=1e-6)
+    assert stats["actor/reward_kl_penalty"].item() == pytest.approx(
+        ((kl.sum(-1) / mask.sum(-1)).mean()).item(), abs=1e-6
+    )
     adv, returns = plain_gae(batch["token_level_rewards"], batch["values"], mask, 0.95, 0.9)
     torch.testing.assert_close(batch["advantages"], adv, atol=1e-5, rtol=0)
     torch.testing.assert_close(batch["returns"], returns, atol=1e-5, rtol=0)
@@ -404,7 +472,9 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
 
 def test_logged_data_metrics_match_their_formulas():
     """verl's compute_data_metrics: mean, max and min of each quantity, over rows or valid tokens."""
-    trainer = make_trainer([*BATCH, "data.max_response_length=3", "data.max_prompt_length=5", "algorithm.use_kl_in_reward=true"])
+    trainer = make_trainer(
+        [*BATCH, "data.max_response_length=3", "data.max_prompt_length=5", "algorithm.use_kl_in_reward=true"]
+    )
     batches, _ = capture(trainer)
     trainer.train_step()
     m = trainer.train_step()
@@ -419,7 +489,7 @@ def test_logged_data_metrics_match_their_formulas():
     mask = b["response_mask"].bool()
     for key in ("advantages", "returns", "values"):  # padding must not count
         b[key] = b[key].masked_fill(~mask, 1e3)
-    m = trainer._gather(b, {}, [])
+    m = gather(data_metrics(b, trainer.config, trainer.use_critic), [], trainer.device)
     b = {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
     tokens = lambda key: [float(x) for x in b[key][mask]]
     rows = lambda key: [float(x) for x in b[key].sum(-1)]
@@ -428,15 +498,25 @@ def test_logged_data_metrics_match_their_formulas():
     response_length = [float(x) for x in b["response_mask"].sum(-1)]
     prompt_length = [float(x) for x in b["attention_mask"][:, : b["prompts"].shape[1]].sum(-1)]
     series = {
-        "critic/score": rows("token_level_scores"), "critic/rewards": rows("token_level_rewards"),
-        "critic/advantages": tokens("advantages"), "critic/returns": tokens("returns"), "critic/values": tokens("values"),
-        "response_length": response_length, "prompt_length": prompt_length,
-    }  # fmt: skip
-    expected = {f"{name}/{stat}": f(xs) for name, xs in series.items() for stat, f in (("mean", mean), ("max", max), ("min", min))}
+        "critic/score": rows("token_level_scores"),
+        "critic/rewards": rows("token_level_rewards"),
+        "critic/advantages": tokens("advantages"),
+        "critic/returns": tokens("returns"),
+        "critic/values": tokens("values"),
+        "response_length": response_length,
+        "prompt_length": prompt_length,
+    }
+    expected = {
+        f"{name}/{stat}": f(xs)
+        for name, xs in series.items()
+        for stat, f in (("mean", mean), ("max", max), ("min", min))
+    }
     residual = [r - v for r, v in zip(tokens("returns"), tokens("values"))]
     expected["critic/vf_explained_var"] = 1 - var(residual) / (var(tokens("returns")) + 1e-5)
     expected["response_length/clip_ratio"] = mean([float(x == 3) for x in response_length])
-    expected["prompt_length/clip_ratio"] = mean([float(x == trainer.config.data.max_prompt_length) for x in prompt_length])
+    expected["prompt_length/clip_ratio"] = mean(
+        [float(x == trainer.config.data.max_prompt_length) for x in prompt_length]
+    )
     assert 0 < expected["prompt_length/clip_ratio"] < 1 and 0 < expected["response_length/clip_ratio"] < 1
     assert expected["critic/advantages/max"] > expected["critic/advantages/min"]
     for key, value in expected.items():
@@ -486,7 +566,7 @@ def test_rollout_probs_diff_is_verls_debug_metric(mode):
     mask = b["response_mask"].bool()
     b["rollout_log_probs"] = b["rollout_log_probs"].clone()
     b["old_log_probs"][:2, -1], b["rollout_log_probs"][:2, -1] = 0.0, -30.0  # the largest diff, in padding
-    logged = trainer._gather(b, {}, [])
+    logged = gather(data_metrics(b, trainer.config, trainer.use_critic), [], trainer.device)
     every = (b["old_log_probs"].double().exp() - b["rollout_log_probs"].double().exp()).abs()
     diff = every[mask]
     expected = {"mean": diff.mean().item(), "max": diff.max().item(), "std": diff.std().item()}  # torch.std: unbiased

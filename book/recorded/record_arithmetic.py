@@ -28,12 +28,16 @@ PIPELINE = {
     "sft": ["sft"],
     "ppo": ["ppo", "model.path={sft}/model"],
     "grpo": [
-        "ppo", "model.path={sft}/model", "algorithm.adv_estimator=grpo", "rollout.n=8",
-        "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+        "ppo",
+        "model.path={sft}/model",
+        "algorithm.adv_estimator=grpo",
+        "rollout.n=8",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=8",
     ],
     "sft_never": ["sft", "sft.teacher_carry_error=1.0"],
     "ppo_never": ["ppo", "model.path={sft_never}/model", "trainer.total_training_steps=600", "trainer.test_freq=50"],
-}  # fmt: skip
+}
 KEYS = ("val/score", "val/score_sampled", "val/response_length")
 
 
@@ -47,7 +51,12 @@ def run(name: str, args: list[str], root: Path) -> dict:
     wall = time.perf_counter() - start
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     curve = [{"step": m["step"], **{k: m[k] for k in KEYS if k in m}} for m in lines if "val/score" in m]
-    return {"command": "refppo " + " ".join(cmd[3:]), "wall_s": round(wall, 1), "steps": lines[-1]["step"], "curve": curve}
+    return {
+        "command": "refppo " + " ".join(cmd[3:]),
+        "wall_s": round(wall, 1),
+        "steps": lines[-1]["step"],
+        "curve": curve,
+    }
 
 
 def main() -> None:

@@ -37,4 +37,3 @@ def enable_gradient_checkpointing(model, setting: str = "model.enable_gradient_c
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-

@@ -56,12 +56,18 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout=
     if query.shape[2] != 1 or groups == 1 or not one_mask or kwargs.get("position_bias") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     batch, heads, _, dim = query.shape
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, heads // groups, groups, dim), key, value,
-        attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-    )  # fmt: skip
+        query.reshape(batch, heads // groups, groups, dim),
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+    )
     return out.reshape(batch, heads, 1, out.shape[-1]).transpose(1, 2).contiguous(), None
 
 
@@ -109,7 +115,6 @@ def _static_cache_class() -> type:
     return SameDtypeStaticCache
 
 
-
 class StaticDecoder:
     """A causal LM as :func:`refppo.generation.generate` calls it, decoding over a static KV cache
     of ``max_length`` slots with each one-token step compiled (replayed as a CUDA graph on a GPU).
@@ -150,7 +155,14 @@ class StaticDecoder:
             cache.reset()
         return cache
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, use_cache=True, **kwargs):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        use_cache=True,
+        **kwargs,
+    ):
         """A forward pass as ``generate`` makes it: the prompts (``input_ids`` (N, P), no cache
         given) or one token per row (N, 1) with the cache the last call returned.
 
@@ -173,5 +185,11 @@ class StaticDecoder:
             kwargs[self.cache_key] = self.cache(input_ids.shape[0])
         model = self.model if prefill else self.step
         with decode_attention(self.model):
-            return model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache_position=slots,
-                         use_cache=True, **kwargs)  # fmt: skip
+            return model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache_position=slots,
+                use_cache=True,
+                **kwargs,
+            )

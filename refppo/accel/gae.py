@@ -2,8 +2,8 @@
 numbers, to float rounding): each row's valid tokens are packed to the front, where the
 recursion has the constant coefficient gamma * lam, so the advantages are a discounted reverse
 cumulative sum, computed as two small block matrix products; one gather reads them back. A few
-dozen tensor operations instead of a handful per token: on a GPU, where each costs a launch,
-69.7x faster at 64 x 1024 tokens on an H100 (``benchmarks/README.md``, GAE).
+dozen tensor operations instead of a handful per token, which matters on a GPU, where each costs a
+launch. Figures: ``benchmarks/README.md`` (GAE).
 """
 
 from __future__ import annotations
@@ -37,16 +37,19 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -
     xb = torch.nn.functional.pad(x, (0, n_blocks * k - length)).view(rows, n_blocks, k)
     steps = torch.arange(k, device=x.device)
     gap = (steps[None, :] - steps[:, None]).to(x.dtype)  # gap[i, j] = j - i
-    inner = torch.where(gap >= 0, torch.pow(discount, gap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device))
+    inner = torch.where(
+        gap >= 0, torch.pow(discount, gap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device)
+    )
     local = xb @ inner.T  # (rows, n_blocks, k): sums inside each block
     blocks = torch.arange(n_blocks, device=x.device)
     bgap = (blocks[None, :] - blocks[:, None]).to(x.dtype)
-    outer = torch.where(bgap >= 0, torch.pow(discount, k * bgap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device))
+    outer = torch.where(
+        bgap >= 0, torch.pow(discount, k * bgap.clamp(min=0)), torch.zeros((), dtype=x.dtype, device=x.device)
+    )
     heads = local[..., 0] @ outer.T  # (rows, n_blocks): y at the first position of each block
     carry = torch.nn.functional.pad(heads[:, 1:], (0, 1))  # y at the start of the next block
     y = local + carry[..., None] * torch.pow(discount, (k - steps).to(x.dtype))
     return y.reshape(rows, n_blocks * k)[:, :length]
-
 
 
 @torch.no_grad()
@@ -74,4 +77,3 @@ def packed_gae_advantage_return(
     advantages = packed_adv.gather(1, before)
     returns = advantages + v
     return masked_whiten(advantages, m), returns
-

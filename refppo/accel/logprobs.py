@@ -26,12 +26,13 @@ from refppo.forward import model_inputs, response_logits
 from refppo.functional import _check_logits
 from refppo.models import LoraDisabledReference, base_model
 
-# Elements (rows x vocab) of float32 scratch per block, by device: on a CPU 4M elements (16 MiB)
-# were as fast as larger blocks; on a GPU a block costs launches, and 64M elements measured faster.
+# Elements (rows x vocab) of float32 scratch per block, by device: a CPU gains nothing from larger
+# blocks; on a GPU each block costs launches, so larger ones are faster (benchmarks/README.md).
 CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 # From hidden states each block also pays a (rows x H) @ (H x vocab) product, which larger blocks
 # keep efficient.
 LINEAR_CHUNK_ELEMENTS = 1 << 24
+
 
 def _scaled(raw: torch.Tensor, temperature: float) -> torch.Tensor:
     z = raw.float()
@@ -110,10 +111,18 @@ def _chunked_grads(raw_logits, labels, grad_logp, grad_ent, temperature: float, 
     grad = _kernels(compiled)[1]
     for s in range(0, labels.shape[0], chunk_size):
         e = s + chunk_size
-        yield s, e, grad(
-            raw_logits(s, e).detach(), labels[s:e], None if g_lp is None else g_lp[s:e], None if g_en is None else g_en[s:e],
-            temperature, dtype,
-        )  # fmt: skip
+        yield (
+            s,
+            e,
+            grad(
+                raw_logits(s, e).detach(),
+                labels[s:e],
+                None if g_lp is None else g_lp[s:e],
+                None if g_en is None else g_en[s:e],
+                temperature,
+                dtype,
+            ),
+        )
 
 
 class _ChunkedLogSoftmax(torch.autograd.Function):
@@ -126,7 +135,9 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_size, want_entropy, compiled):
         flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        logp, ent = _chunked_forward(lambda s, e: flat[s:e], flat_labels, chunk_size, want_entropy, temperature, compiled)
+        logp, ent = _chunked_forward(
+            lambda s, e: flat[s:e], flat_labels, chunk_size, want_entropy, temperature, compiled
+        )
         ctx.save_for_backward(logits, labels)
         ctx.temperature, ctx.chunk_size, ctx.compiled = temperature, chunk_size, compiled
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
@@ -140,9 +151,15 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.empty_like(flat)
         blocks = _chunked_grads(
-            lambda s, e: flat[s:e], labels.reshape(-1), grad_logp, grad_ent, ctx.temperature, ctx.chunk_size,
-            ctx.compiled, grad.dtype,
-        )  # fmt: skip
+            lambda s, e: flat[s:e],
+            labels.reshape(-1),
+            grad_logp,
+            grad_ent,
+            ctx.temperature,
+            ctx.chunk_size,
+            ctx.compiled,
+            grad.dtype,
+        )
         for s, e, g in blocks:
             grad[s:e] = g
         return grad.view_as(logits), None, None, None, None, None
@@ -202,8 +219,13 @@ class _ChunkedLinearLogSoftmax(torch.autograd.Function):
         return (
             grad_h.view_as(hidden) if want_h else None,
             grad_w.to(weight.dtype) if want_w else None,
-            None, None, None, None, None, None,
-        )  # fmt: skip
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_logprobs(
@@ -260,7 +282,12 @@ def fused_logprobs(
     Returns:
         ((...) float32 log-probabilities, (...) float32 entropies or None).
     """
-    if weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1] or labels.shape != hidden.shape[:-1]:
+    if (
+        weight.dim() != 2
+        or hidden.dim() < 2
+        or hidden.shape[-1] != weight.shape[1]
+        or labels.shape != hidden.shape[:-1]
+    ):
         raise ValueError(
             f"hidden must be (..., H), weight (vocab, H) and labels (...): got hidden {tuple(hidden.shape)}, "
             f"weight {tuple(weight.shape)}, labels {tuple(labels.shape)}"
@@ -303,7 +330,9 @@ class BlockLogProbs:
             with trainable_forward(model.device):
                 hidden, weight = final_hidden_states(model, **model_inputs(model, batch))
                 hidden = hidden[:, -mask.shape[1] - 1 : -1]
-                log_probs, entropy = fused_logprobs(hidden, weight, labels, temperature, calculate_entropy, compiled=self.compiled)
+                log_probs, entropy = fused_logprobs(
+                    hidden, weight, labels, temperature, calculate_entropy, compiled=self.compiled
+                )
         else:
             logits = response_logits(model, batch)
             rows = max(1, self.chunk_elements // logits.shape[-1])
@@ -351,4 +380,3 @@ def final_hidden_states(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
             return final_hidden_states(model.actor, **inputs)
     hidden = model.get_decoder()(**inputs).last_hidden_state
     return hidden, model.get_output_embeddings().weight
-

@@ -42,7 +42,9 @@ def cut(batch: dict[str, torch.Tensor], prompt_keep: int, response_keep: int) ->
     return out
 
 
-def token_budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+def token_budget_micro_batches(
+    batch: dict[str, torch.Tensor], max_tokens: int
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """Rows grouped into micro-batches of at most ``max_tokens`` tokens each, padding included,
     each trimmed of its all-padding columns (verl's ``use_dynamic_bsz`` with
     ``ppo_max_token_len_per_gpu``, for a model that runs on padded rectangles).
@@ -80,7 +82,6 @@ def token_budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) 
     indices = [torch.tensor(sorted(g), dtype=torch.long, device=device) for g in groups]
     # The widths are known on the host already: cut without reading the masks again (no host sync).
     return [(idx, cut({k: v[idx] for k, v in batch.items()}, *width)) for idx, width in zip(indices, widths)]
-
 
 
 @dataclass(frozen=True)

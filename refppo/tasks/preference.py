@@ -49,7 +49,9 @@ def prompt_letters_reward(prompts: list[str], responses: list[str], records: lis
     Returns:
         (B,) float32 scores.
     """
-    return torch.tensor([float(bool(r.strip()) and all(c in p[:-1] for c in r.strip())) for p, r in zip(prompts, responses)])
+    return torch.tensor(
+        [float(bool(r.strip()) and all(c in p[:-1] for c in r.strip())) for p, r in zip(prompts, responses)]
+    )
 
 
 def make_sft_examples(n: int, seed: int) -> list[tuple[str, str]]:

@@ -1,0 +1,182 @@
+"""How a setting is declared: beside its default, in the dataclass field that holds it
+(:func:`setting`), so that validation, the refusal of ignored settings, ``--help`` and the resume
+check (:mod:`refppo.settings`) all read one declaration; and how settings are read and set by
+their dotted keys (``actor.optim.lr``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a setting sits when its conditions are asked: the whole config, the dataclass that
+    holds it, its dotted key and the command reading it."""
+
+    config: typing.Any
+    owner: typing.Any
+    key: str
+    command: str
+
+    @property
+    def name(self) -> str:
+        """The setting's own name, the key's last part (``clip_ratio`` of ``actor.clip_ratio``)."""
+        return self.key.rpartition(".")[2]
+
+    @property
+    def section(self) -> str:
+        """The key's dotted prefix (``actor.optim.`` of ``actor.optim.lr``)."""
+        return self.key.rpartition(".")[0] + "."
+
+
+# A condition on the other settings: None when the setting is read, else what would make it read,
+# as an override says it ("algorithm.use_kl_in_reward=true").
+Needs = Callable[[Site], "str | None"]
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What a setting's field declares beside its default (:func:`setting`)."""
+
+    valid: str | tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
+    commands: tuple[str, ...] | None = None
+    needs: tuple[Needs, ...] = ()
+    resumable: bool = False
+    unread_because: str | None = None
+
+
+def setting(default=None, valid=None, *, commands=None, needs=(), resumable=False, unread_because=None, factory=None):
+    """A setting's one declaration, as a dataclass field.
+
+    Args:
+        default: its value when not overridden (``factory`` instead for a section's dataclass).
+        valid: an interval ("[0, 1)", "-1 or [1, inf)") for a number, the names for a choice (a
+            tuple, or a function returning them, for registries); None for anything of its type.
+            A null Optional setting is derived from another and not checked.
+        commands: the refppo commands that read it; None: those of the section holding it (ppo at
+            the top).
+        needs: conditions under which they read it (each a :data:`Needs`); a setting another one
+            turns off is refused, never ignored.
+        resumable: a resumed run may change it (how a run runs, never what it computes).
+        unread_because: why the commands that do not read it do not (a refusal says so).
+    """
+    meta = {
+        "setting": Declaration(
+            valid, commands, tuple(needs) if isinstance(needs, tuple) else (needs,), resumable, unread_because
+        )
+    }
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(factory, **declaration):
+    """A nested section (a dataclass) whose ``commands`` and ``needs`` hold for all its settings."""
+    return setting(factory=factory, **declaration)
+
+
+def when(test: Callable[[Site], bool], text: str | Callable[[Site], str]) -> Needs:
+    """A condition from a test on the :class:`Site` and, when it fails, the text (or a function of
+    the site giving it) of what would make the setting read."""
+    return lambda site: None if test(site) else (text if isinstance(text, str) else text(site))
+
+
+# ---- reading and writing settings by their dotted keys -------------------------------------
+TOP = Declaration(commands=("ppo",))  # what a top-level section inherits
+
+
+def declarations(config, prefix: str = "", inherited: Declaration = TOP) -> dict[str, Declaration]:
+    """Every dotted key of a config dataclass with its declaration, in declaration order; a key
+    takes the commands of the nearest section that names them, and the conditions of every section
+    above it as well as its own."""
+    out = {}
+    for f in dataclasses.fields(config):
+        own = f.metadata.get("setting", Declaration())
+        merged = dataclasses.replace(
+            own,
+            commands=own.commands or inherited.commands,
+            needs=inherited.needs + own.needs,
+            unread_because=own.unread_because or inherited.unread_because,
+        )
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out |= declarations(value, f"{prefix}{f.name}.", merged)
+        else:
+            out[prefix + f.name] = merged
+    return out
+
+
+def leaf_keys(config, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass, e.g. ``actor.optim.lr``, in declaration order."""
+    return list(declarations(config, prefix))
+
+
+def _parse(text: str, hint, key: str):
+    """Convert override text to the field's type (bool, int, float, str, their Optional, tuples)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if text.lower() in ("null", "none"):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    try:
+        if hint is bool:
+            if text.lower() not in ("true", "false"):
+                raise ValueError
+            return text.lower() == "true"
+        if typing.get_origin(hint) is tuple:
+            return tuple(_parse(part, a, key) for part, a in zip(text.strip("()[]").split(","), args, strict=True))
+        return hint(text)
+    except ValueError:
+        raise ValueError(f"{key}={text!r}: expected {getattr(hint, '__name__', hint)}") from None
+
+
+def apply_overrides(config, overrides: list[str]):
+    """Set ``section.key=value`` entries on ``config`` (in place), typed by the dataclass fields.
+
+    Args:
+        config: the config to change.
+        overrides: "dotted.key=value" strings.
+
+    Returns:
+        ``config``.
+    """
+    valid = leaf_keys(config)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"override {item!r} must look like key=value")
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown config key {key!r}{hint}")
+        owner, name = owner_of(config, key)
+        setattr(owner, name, _parse(text.strip(), typing.get_type_hints(type(owner))[name], key))
+    return config
+
+
+def owner_of(config, key: str):
+    """The dataclass holding a dotted key, and the field's name."""
+    *parents, name = key.split(".")
+    owner = config
+    for p in parents:
+        owner = getattr(owner, p)
+    return owner, name
+
+
+def is_optional(config, key: str) -> bool:
+    """Whether a setting may be null (derived from another setting)."""
+    owner, name = owner_of(config, key)
+    return type(None) in typing.get_args(typing.get_type_hints(type(owner))[name])
+
+
+def get_value(config, key: str):
+    """The value of a dotted key, e.g. ``get_value(config, "actor.optim.lr")``."""
+    owner, name = owner_of(config, key)
+    return getattr(owner, name)

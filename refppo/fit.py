@@ -1,0 +1,50 @@
+"""A run (ch 5): training steps to ``trainer.total_training_steps``, with the evaluation, the
+metrics log and the checkpoints on their schedules."""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from refppo.metrics import bar_fields
+from refppo.runs import STATE_FILE
+from refppo.trainer import PPOTrainer
+
+
+def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[str, float]]:
+    """Train to ``trainer.total_training_steps``, validating every ``test_freq`` steps (and at
+    step 0, the SFT level), logging one metrics line per step and checkpointing every
+    ``save_freq`` steps and at the end.
+
+    Args:
+        trainer: a PPOTrainer, possibly restored from a checkpoint.
+        run: a ``refppo.runs.RunFolder``; None keeps everything in memory.
+        progress_bar: show tqdm with score, KL and step time.
+
+    Returns:
+        The metrics of the steps run (each with its "step").
+    """
+    t = trainer.config.trainer
+    history = []
+
+    def record(step: int, metrics: dict[str, float]) -> None:
+        history.append({"step": step, **metrics})
+        if run is not None:
+            run.log(step, metrics)
+
+    if trainer.step == 0 and t.test_freq > 0:
+        record(0, trainer.held_out_metrics())
+    bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not progress_bar, desc="ppo")
+    while trainer.step < t.total_training_steps:
+        metrics = trainer.train_step()
+        step = trainer.step
+        last = step == t.total_training_steps
+        if t.test_freq > 0 and (step % t.test_freq == 0 or last):
+            metrics.update(trainer.held_out_metrics())
+        record(step, metrics)
+        if run is not None and ((t.save_freq > 0 and step % t.save_freq == 0) or last):
+            run.save_checkpoint(step, lambda folder: torch.save(trainer.state_dict(), folder / STATE_FILE))
+        bar.set_postfix(bar_fields(metrics))
+        bar.update(1)
+    bar.close()
+    return history

@@ -1,0 +1,190 @@
+"""A step's metrics as verl logs them (ch 5): the batch's (verl's ``compute_data_metrics`` and
+``calculate_debug_metrics``), the updates' means, the phases' times, throughput, peak memory, and
+the progress bar's fields.
+Every value stays on the device until :func:`gather` reads them in one host transfer."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Iterator
+
+import torch
+
+from refppo.checks import check_same_shape, check_values
+from refppo.config import Config
+from refppo.functional import masked_mean, masked_var
+
+
+def masked_max_min(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest and smallest of ``values`` where ``mask`` is 1 (no host sync).
+
+    Args:
+        values: (*shape) floating tensor.
+        mask: (*shape) tensor of 0/1 with at least one 1.
+
+    Returns:
+        (max, min) scalar tensors.
+
+    Raises:
+        ValueError: shapes differ, or no valid position.
+    """
+    check_same_shape(values=values, mask=mask)
+    check_values(min_valid=("mask", mask, 1))
+    valid = mask.bool()
+    return values.masked_fill(~valid, -torch.inf).max(), values.masked_fill(~valid, torch.inf).min()
+
+
+def masked_corr(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of ``x`` and ``y`` over the positions where ``mask`` is 1.
+
+    verl's ``training/rollout_actor_probs_pearson_corr`` (``torch.corrcoef`` of the masked
+    values), without gathering them, so no host sync.
+
+    Args:
+        x, y: (*shape) tensors.
+        mask: (*shape) tensor of 0/1.
+
+    Returns:
+        Scalar tensor in [-1, 1]; NaN when ``x`` or ``y`` is constant over the mask, as
+        ``torch.corrcoef`` gives.
+
+    Raises:
+        ValueError: shapes differ, or fewer than 2 valid positions.
+    """
+    check_same_shape(x=x, y=y, mask=mask)
+    check_values(min_valid=("mask", mask, 2))
+    dx = x - masked_mean(x, mask)
+    dy = y - masked_mean(y, mask)
+    covariance = masked_mean(dx * dy, mask)
+    return (covariance / (masked_mean(dx * dx, mask) * masked_mean(dy * dy, mask)).sqrt()).clamp(-1.0, 1.0)
+
+
+def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: bool) -> dict[str, torch.Tensor]:
+    """verl's ``compute_data_metrics`` and ``calculate_debug_metrics`` of an evaluated batch.
+
+    Args:
+        batch: an evaluated batch (``refppo.trainer``'s layout): token-level scores and rewards,
+            advantages, returns, (values), old and rollout log-probs, masks, prompts.
+        config: the run's settings (the length limits, ``actor.policy_mode``).
+        use_critic: the batch holds the critic's ``values``.
+
+    Returns:
+        ``critic/score/{mean,max,min}``, the same for rewards, advantages, returns (and values,
+        with ``critic/vf_explained_var``), ``response_length/*`` and ``prompt_length/*`` with
+        their ``clip_ratio``, and, unless ``policy_mode=bypass``, the sampler's probabilities
+        against the recomputed ones (``training/rollout_probs_diff_*``,
+        ``training/rollout_actor_probs_pearson_corr``); scalar tensors.
+    """
+    mask = batch["response_mask"]
+    rows = torch.ones_like(mask[:, 0])
+    out = {}
+
+    def mean_max_min(name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
+        out[f"{name}/mean"] = masked_mean(values, valid)
+        out[f"{name}/max"], out[f"{name}/min"] = masked_max_min(values, valid)
+
+    mean_max_min("critic/score", batch["token_level_scores"].sum(-1), rows)
+    mean_max_min("critic/rewards", batch["token_level_rewards"].sum(-1), rows)
+    mean_max_min("critic/advantages", batch["advantages"], mask)
+    mean_max_min("critic/returns", batch["returns"], mask)
+    if use_critic:
+        mean_max_min("critic/values", batch["values"], mask)
+        residual_var = masked_var(batch["returns"] - batch["values"], mask)
+        out["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(batch["returns"], mask) + 1e-5)
+    if config.actor.policy_mode != "bypass":
+        # verl's debug metrics: the sampler's token probabilities against the trainer's own
+        # recomputation; far from 0 (and a correlation below 1) when the two disagree
+        old, rollout = batch["old_log_probs"].exp(), batch["rollout_log_probs"].exp()
+        diff = (old - rollout).abs()
+        out["training/rollout_probs_diff_mean"] = masked_mean(diff, mask)
+        out["training/rollout_probs_diff_max"] = masked_max_min(diff, mask)[0]
+        out["training/rollout_probs_diff_std"] = masked_var(diff, mask).sqrt()
+        out["training/rollout_actor_probs_pearson_corr"] = masked_corr(old, rollout, mask)
+    prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
+    for name, length, limit in (
+        ("response_length", mask.sum(-1).float(), config.data.max_response_length),
+        ("prompt_length", prompt_length, config.data.max_prompt_length),
+    ):
+        mean_max_min(name, length, rows)
+        out[f"{name}/clip_ratio"] = (length == limit).float().mean()
+    return out
+
+
+def gather(metrics: dict, per_mini: list[dict], device: torch.device) -> dict[str, float]:
+    """``metrics`` and the mean of each update statistic over the mini-batches, as floats, read
+    in one host transfer.
+
+    Args:
+        metrics: name -> scalar tensor or number.
+        per_mini: one dict of scalar tensors per mini-batch update.
+        device: where the tensors are.
+    """
+    out = dict(metrics)
+    for k in sorted({k for m in per_mini for k in m}):
+        values = [m[k] for m in per_mini if k in m]
+        out[k] = sum(torch.as_tensor(v, device=device, dtype=torch.float32) for v in values) / len(values)
+    names = list(out)
+    flat = torch.stack([torch.as_tensor(out[k], dtype=torch.float32, device=device) for k in names]).tolist()
+    return dict(zip(names, flat))
+
+
+def throughput_metrics(batch: dict[str, torch.Tensor], timing: dict[str, float]) -> dict[str, float]:
+    """verl's ``compute_timing_metrics`` per-token part and ``compute_throughout_metrics`` (one GPU).
+
+    Args:
+        batch: needs ``attention_mask`` (B, P + R) and ``response_mask`` (B, R).
+        timing: ``timing_s/<phase>`` seconds, ``timing_s/step`` included.
+
+    Returns:
+        ``timing_per_token_ms/<phase>`` (generation per response token, the other phases per
+        prompt + response token), ``perf/total_num_tokens``, ``perf/time_per_step`` and
+        ``perf/throughput`` (tokens per second).
+    """
+    counts = torch.stack([batch["attention_mask"].sum(), batch["response_mask"].sum()]).tolist()
+    total, responses = (int(c) for c in counts)
+    step = timing["timing_s/step"]
+    out = {"perf/total_num_tokens": total, "perf/time_per_step": step, "perf/throughput": total / step}
+    for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
+        if f"timing_s/{phase}" in timing:
+            tokens = responses if phase == "gen" else total
+            out[f"timing_per_token_ms/{phase}"] = timing[f"timing_s/{phase}"] * 1000 / tokens
+    return out
+
+
+# The progress bar's fields: (label, metric); a metric the step did not compute is left out.
+BAR_FIELDS = (
+    ("score", "critic/score/mean"),
+    ("val", "val/score"),
+    ("ref_kl", "actor/reward_kl_penalty"),  # KL to the reference, in the reward ...
+    ("kl_loss", "actor/kl_loss"),  # ... or in the loss
+    ("ppo_kl", "actor/ppo_kl"),  # old vs new policy
+    ("step_s", "timing_s/step"),
+)
+
+
+def bar_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress bar's postfix for one step's metrics."""
+    return {label: f"{metrics[key]:.4g}" for label, key in BAR_FIELDS if key in metrics}
+
+
+@contextlib.contextmanager
+def timer(timing: dict, name: str, device: torch.device) -> Iterator[None]:
+    """Store the block's wall time (its device work included) in ``timing["timing_s/<name>"]``;
+    in a ``torch.profiler`` trace its operators sit under a range of that name."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with torch.profiler.record_function(f"timing_s/{name}"):
+        yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timing[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """CUDA: the peak allocated since the last reset. CPU: the process's peak resident set (Linux KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -1,0 +1,55 @@
+"""Reward functions a user names (``reward_model.reward_fn=package.module:function``): importing
+one, and checking that it returns one finite number per response."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+# fn(prompts, responses, records) -> (B,) scores: texts decoded without special tokens
+RewardFn = Callable[[list[str], list[str], list[dict]], torch.Tensor]
+
+
+def load_reward_fn(spec: str):
+    """Import ``package.module:function``, looking in the working directory too (as ``python -m``
+    does)."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"reward_model.reward_fn={spec!r} must look like package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the refppo script, unlike python -m, lacks it
+        sys.path.insert(0, os.getcwd())
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module == error.name or module.startswith(error.name + ".")):
+            raise  # the module was found; something it imports was not
+        raise ValueError(f"reward_model.reward_fn={spec!r}: no module named {error.name!r}") from error
+    fn = getattr(imported, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward_model.reward_fn={spec!r}: {module} has no function {name!r}")
+    return fn
+
+
+def check_scores(scores, rows: int, source: str) -> torch.Tensor:
+    """A reward function's output as a (rows,) float32 tensor, or a ValueError naming ``source``."""
+    try:
+        scores = torch.as_tensor(scores, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"{source} returned a {type(scores).__name__}; expected {rows} numbers, one score per response "
+            "(a list, tuple or tensor of floats)"
+        ) from None
+    if scores.shape != (rows,):
+        raise ValueError(f"{source} returned shape {tuple(scores.shape)}; expected ({rows},), one score per response")
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError(f"{source} returned a non-finite score (NaN or inf)")
+    return scores
+
+
+def describe(fn) -> str:
+    """A function's ``module:qualname``, as ``reward_model.reward_fn`` spells it."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"

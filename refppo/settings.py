@@ -1,0 +1,227 @@
+"""What the settings' declarations (:mod:`refppo.config`) decide: which settings a command reads,
+which ones another setting turns off, which a resumed run may change, and whether a config is
+possible at all (:func:`validate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from refppo.advantages import ADV_ESTIMATORS
+from refppo.config import Config, critic_setting, declarations, get_value, is_optional, owner_of
+from refppo.declare import Declaration, Site
+from refppo.losses import POLICY_LOSSES
+
+
+def defaults_like(config):
+    """A config of the same classes as ``config`` (a section replaced by a subclass with more
+    settings included), every setting at its default."""
+    fresh = type(config)()
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value) and type(value) is not type(getattr(fresh, f.name)):
+            setattr(fresh, f.name, defaults_like(value))
+    return fresh
+
+
+def format_value(value) -> str:
+    """A setting's value as an override writes it: null, true/false, tuples as 0.9,0.999."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def choices_of(declaration: Declaration) -> tuple[str, ...] | None:
+    """The names a choice setting may take (a registry's, as now registered), or None for a number."""
+    valid = declaration.valid
+    if callable(valid):
+        return valid()
+    return valid if isinstance(valid, tuple) else None
+
+
+def valid_text(declaration: Declaration) -> str:
+    """A setting's valid values as ``--help`` shows them: "a | b | c" or an interval."""
+    names = choices_of(declaration)
+    return " | ".join(names) if names is not None else declaration.valid or ""
+
+
+def read_settings(command: str, config: Config) -> list[str]:
+    """The dotted keys ``refppo <command>`` reads, in declaration order (some only under conditions
+    on the others: :func:`ignored_settings`)."""
+    return [key for key, d in declarations(config).items() if command in d.commands]
+
+
+def ignored_settings(config: Config, command: str = "ppo") -> dict[str, str]:
+    """The settings ``command`` reads only under a condition the other settings do not meet, each
+    with that condition (the first one unmet) as an override says it.
+
+    :func:`validate` refuses one that differs from its default, ``refppo <command>`` one given at
+    all, and a resumed run may change one (its run never read it either).
+
+    Returns:
+        {dotted key: what would make it read}, e.g. ``{"algorithm.kl_ctrl.kl_coef":
+        "algorithm.use_kl_in_reward=true", ...}``.
+    """
+    out = {}
+    for key, d in declarations(config).items():
+        if command not in d.commands:
+            continue
+        site = Site(config, owner_of(config, key)[0], key, command)
+        unmet = next((text for needs in d.needs if (text := needs(site)) is not None), None)
+        if unmet is not None:
+            out[key] = unmet
+    return out
+
+
+def resumable_settings(config: Config) -> set[str]:
+    """The settings a resumed run may change: those declared resumable, and those ``config``
+    ignores."""
+    return {key for key, d in declarations(config).items() if d.resumable} | ignored_settings(config).keys()
+
+
+def ignored_message(setting: str, key: str, needs: str) -> str:
+    """The refusal of an ignored setting: ``setting`` as given, its ``key``, and what would read it."""
+    return f"{setting} is ignored: {key} is read only with {needs}. Set that, or drop {key}"
+
+
+def in_range(value: float, spec: str) -> bool:
+    """Whether ``value`` lies in ``spec``: intervals such as "[0, 1)" or "(0, inf]" and single
+    numbers, joined by " or ". NaN lies in none."""
+    for part in spec.split(" or "):
+        if part[0] not in "[(":
+            if value == float(part):
+                return True
+            continue
+        low, high = (float(x) for x in part[1:-1].split(","))
+        above = value >= low if part[0] == "[" else value > low
+        below = value <= high if part[-1] == "]" else value < high
+        if above and below:
+            return True
+    return False
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_values(config: Config) -> None:
+    """Every setting among its declared choices or in its declared range (null where derived)."""
+    for key, d in declarations(config).items():
+        value = get_value(config, key)
+        if value is None and is_optional(config, key):
+            continue
+        names = choices_of(d)
+        if names is not None:
+            _require(value in names, f"{key}={value!r} is not one of {', '.join(names)}")
+        elif isinstance(d.valid, str):
+            for item in value if isinstance(value, tuple) else (value,):
+                null = " (or null)" if is_optional(config, key) else ""
+                _require(in_range(item, d.valid), f"{key}={item} is outside its valid range {d.valid}{null}")
+
+
+def _check_batches(config: Config) -> None:
+    """Mini-batches divide the batch, micro-batches the mini-batch; a token budget replaces row
+    counts and holds the longest sequence."""
+    d, a, r = config.data, config.actor, config.rollout
+    for role, mini, micro in [
+        ("actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
+        ("critic", critic_setting(config, "ppo_mini_batch_size"), config.critic.ppo_micro_batch_size_per_gpu),
+    ]:
+        _require(
+            d.train_batch_size % mini == 0,
+            f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={d.train_batch_size}",
+        )
+        rows = mini * r.n
+        _require(
+            micro is None or rows % micro == 0,
+            f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the mini-batch of {rows} rows "
+            f"({role}.ppo_mini_batch_size x rollout.n)",
+        )
+    longest = d.max_prompt_length + d.max_response_length
+    rows = {
+        "actor": [
+            "actor.ppo_micro_batch_size_per_gpu",
+            "rollout.log_prob_micro_batch_size_per_gpu",
+            "ref.log_prob_micro_batch_size_per_gpu",
+        ],
+        "critic": ["critic.ppo_micro_batch_size_per_gpu"],
+    }
+    for role, keys in rows.items():
+        cfg = getattr(config, role)
+        if not cfg.use_dynamic_bsz:
+            continue
+        for key in keys:
+            _require(
+                get_value(config, key) is None,
+                f"{role}.use_dynamic_bsz=true sizes micro-batches by {role}.ppo_max_token_len_per_gpu, so {key} "
+                "would be "
+                f"ignored: drop {key} or set {role}.use_dynamic_bsz=false",
+            )
+        _require(
+            cfg.ppo_max_token_len_per_gpu >= longest,
+            f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is less than one sequence can be "
+            f"(data.max_prompt_length + data.max_response_length = {longest})",
+        )
+
+
+def _check_combinations(config: Config) -> None:
+    """Settings each valid alone that cannot work together."""
+    d, a, r, alg, t, rm = (
+        config.data,
+        config.actor,
+        config.rollout,
+        config.algorithm,
+        config.trainer,
+        config.reward_model,
+    )
+    _require(
+        t.critic_warmup < t.total_training_steps,
+        f"trainer.critic_warmup={t.critic_warmup} must be < trainer.total_training_steps={t.total_training_steps}: "
+        "the actor is updated only after the warm-up",
+    )
+    _require(
+        not (r.cuda_graphs and t.device == "cpu"),
+        "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu",
+    )
+    _require(
+        a.policy_mode != "rollout_correction" or POLICY_LOSSES.takes(a.policy_loss, "rollout_is_weights"),
+        f"actor.policy_mode=rollout_correction weights each token's loss, but actor.policy_loss={a.policy_loss} "
+        "takes no weights",
+    )
+    _require(
+        alg.adv_estimator != "gae" or d.train_batch_size * r.n >= 2,
+        "algorithm.adv_estimator=gae whitens the advantages over the batch's response tokens, and a batch of one "
+        "response (data.train_batch_size x rollout.n = 1) holds one token whenever it is only EOS: use >= 2 responses",
+    )
+    _require(
+        not ADV_ESTIMATORS.takes(alg.adv_estimator, "index") or r.n >= 2,
+        f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt: set rollout.n >= 2",
+    )
+    _require(not (rm.enable and rm.model.path is None), "reward_model.enable=true needs reward_model.model.path")
+    _require(
+        not (d.task == "file" and d.train_files is None), "data.task=file needs data.train_files (JSONL or Parquet)"
+    )
+    _require(
+        not (rm.enable and rm.reward_fn),
+        "reward_model.enable=true and reward_model.reward_fn both give the training score: drop one "
+        "(with the reward model, the task's own rule is reported as reward/gold, never trained on)",
+    )
+
+
+def validate(config: Config, command: str = "ppo") -> Config:
+    """Raise ValueError naming the first impossible setting; returns ``config``.
+
+    Each setting must be among its declared choices or in its range, the batch sizes must fit
+    together, and a setting that another one turns off for ``command`` must keep its default
+    (an option is refused, never silently ignored).
+    """
+    _check_values(config)
+    _check_combinations(config)
+    _check_batches(config)
+    default = defaults_like(config)
+    for key, needs in ignored_settings(config, command).items():
+        value = get_value(config, key)
+        _require(value == get_value(default, key), ignored_message(f"{key}={format_value(value)}", key, needs))
+    return config
