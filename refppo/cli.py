@@ -22,8 +22,9 @@ from refppo.advantages import needs_critic
 from refppo.config import COMMANDS, Config, apply_overrides, declarations, get_value
 from refppo.data import sft_examples, task_data
 from refppo.device import resolve_device
+from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
 from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
-from refppo.prompts import tokenize_prompts
+from refppo.prompts import tokenize_records
 from refppo.runs import RunFolder, check_free, check_resume, summary
 from refppo.settings import format_value, ignored_message, ignored_settings, read_settings, valid_text, validate
 from refppo.tasks import preference
@@ -88,15 +89,19 @@ def load_tokenizer(path: str | None):
     return build_tokenizer()
 
 
-def _save_model(model, tokenizer, folder: Path) -> None:
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+def _save_model(model, tokenizer, folder: Path, world: World) -> None:
+    """``save_pretrained`` of a model and its tokenizer; with several processes the model's shards
+    are gathered first and the first process writes."""
+    state = full_state_dict(model, world)
+    if world.main:
+        model.save_pretrained(folder, state_dict=state)
+        tokenizer.save_pretrained(folder)
 
 
-def run_sft(config: Config, make_run) -> None:
+def run_sft(config: Config, make_run, world: World, device: torch.device) -> None:
     """``refppo sft``: train the policy on the task's demonstrations (a tiny model from
     ``model.arch`` and its sizes, or ``model.path``); ``make_run()`` creates the run folder, called
-    only after every check has passed."""
+    only after every check has passed; ``world`` and ``device``: the processes and this one's device."""
     from refppo.accel import select
     from refppo.accel.checkpointing import enable_gradient_checkpointing
     from refppo.accel.logprobs import check_fused_kernels
@@ -108,12 +113,12 @@ def run_sft(config: Config, make_run) -> None:
         tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
     )
     torch.manual_seed(config.trainer.seed)
-    device = resolve_device(config.trainer.device)
     model = load_causal_lm(source, tokenizer, device)
     if m.use_fused_kernels:
         check_fused_kernels(model, "SFT model")
     if m.enable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    shard(model, world)
     s, examples = config.sft, sft_examples(config)
     run = make_run()
     train_sft(
@@ -126,12 +131,13 @@ def run_sft(config: Config, make_run) -> None:
         config.trainer.seed,
         run.log,
         config.trainer.progress_bar,
-        log_probs_fn=select(config, device).actor.log_probs,
+        log_probs_fn=select(config, device, world.distributed).actor.log_probs,
+        world=world,
     )
-    _save_model(model, tokenizer, run.path / "model")
+    _save_model(model, tokenizer, run.path / "model", world)
 
 
-def run_rm(config: Config, make_run) -> None:
+def run_rm(config: Config, make_run, world: World, device: torch.device) -> None:
     """``refppo rm``: a reward model from the SFT model (``model.path``) on synthetic comparisons
     (``data.task=preference``); ``make_run()`` as in :func:`run_sft`."""
     from refppo.accel.checkpointing import enable_gradient_checkpointing
@@ -143,22 +149,32 @@ def run_rm(config: Config, make_run) -> None:
         raise ValueError("refppo rm starts from the SFT model: set model.path=<sft run>/model")
     tokenizer = load_tokenizer(config.model.path)
     torch.manual_seed(config.trainer.seed)
-    rm = load_value_model(config.model.path, tokenizer, resolve_device(config.trainer.device))
+    rm = load_value_model(config.model.path, tokenizer, device)
     if config.model.enable_gradient_checkpointing:
         enable_gradient_checkpointing(rm)
+    shard(rm, world)
     r = config.rm
     pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
     run = make_run()
     train_reward_model(
-        rm, tokenizer, pairs, r.steps, r.batch_size, r.lr, config.trainer.seed, run.log, config.trainer.progress_bar
+        rm,
+        tokenizer,
+        pairs,
+        r.steps,
+        r.batch_size,
+        r.lr,
+        config.trainer.seed,
+        run.log,
+        config.trainer.progress_bar,
+        world,
     )
     if r.center:
         prompts, responses = zip(*preference.make_sft_examples(512, seed=config.trainer.seed + 20))
         center_reward_model(rm, tokenizer, list(prompts), list(responses))
-    _save_model(rm, tokenizer, run.path / "model")
+    _save_model(rm, tokenizer, run.path / "model", world)
 
 
-def run_ppo(config: Config, make_run) -> None:
+def run_ppo(config: Config, make_run, world: World, device: torch.device) -> None:
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
@@ -168,7 +184,6 @@ def run_ppo(config: Config, make_run) -> None:
 
     if config.model.path is None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
-    device = resolve_device(config.trainer.device)
     tokenizer = load_tokenizer(config.model.path)
     train, val, task_reward = task_data(config, tokenizer)
     torch.manual_seed(config.trainer.seed)
@@ -188,8 +203,8 @@ def run_ppo(config: Config, make_run) -> None:
             "data.task=file needs reward_model.reward_fn=package.module:function or reward_model.enable=true"
         )
     if reward_fn is not None:  # a reward function that cannot score is found before the run folder exists
-        probe, d = val[:2], config.data
-        ids, _ = tokenize_prompts(tokenizer, [r[d.prompt_key] for r in probe], d.max_prompt_length, d.truncation)
+        probe = val[:2]
+        ids, _ = tokenize_records(tokenizer, probe, config.data)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # the prompts as the trainer passes them
         check_scores(reward_fn(texts, [""] * len(probe), probe), len(probe), f"reward function {describe(reward_fn)}")
     # With a learned reward, the task's own rule is the gold score: report it, never train on it.
@@ -204,17 +219,18 @@ def run_ppo(config: Config, make_run) -> None:
         reward_fn=reward_fn,
         reward_model=reward_model,
         extra_reward_fns=extras,
+        world=world,
     )
     run = make_run()
     if run.resume is not None:
-        trainer.load_state_dict(run.resume.state)
+        trainer.load_checkpoint(run.resume.folder, run.resume.state)
     if config.trainer.tensorboard:
         run.enable_tensorboard()
     fit(trainer, run, config.trainer.progress_bar)
     if config.model.lora_rank > 0:  # the adapter, then the merged model the next stage loads as model.path
-        _save_model(actor, tokenizer, run.path / "actor_adapter")
+        _save_model(actor, tokenizer, run.path / "actor_adapter", world)
         actor = actor.merge_and_unload()
-    _save_model(actor, tokenizer, run.path / "actor")
+    _save_model(actor, tokenizer, run.path / "actor", world)
 
 
 def run_plot(argv: list[str]) -> int:
@@ -263,15 +279,30 @@ def entry() -> int:
     """The ``refppo`` command and ``python -m refppo``: :func:`main`, where a setting or input that
     refppo's checks refuse before a run starts is one line on stderr (``refppo: error: ...``, exit
     status 2) instead of a traceback. An error raised elsewhere (a reward function, a library) or
-    once the run folder is being made keeps its traceback."""
-    started = []
+    once the run folder is being made keeps its traceback, and under torchrun a line naming the
+    process that failed."""
+    started, world = [], launched_world()
     try:
         return main(on_start=lambda: started.append(True))
     except (ValueError, OSError, ImportError) as error:
         if started or not _raised_by_refppo(error):
+            _name_the_process(world, error)
             raise
-        print(f"refppo: error: {error}", file=sys.stderr)
+        if world.main:  # every process refuses the same settings: say it once
+            print(f"refppo: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        _name_the_process(world, error)
+        raise
+
+
+def _name_the_process(world: World, error: BaseException) -> None:
+    """With several processes, one line naming the process that failed and why (torchrun then
+    stops the others)."""
+    if world.distributed:
+        # one write, so that two processes' lines do not interleave
+        sys.stderr.write(f"refppo: process {world.rank} of {world.size} failed: {type(error).__name__}: {error}\n")
+        sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None, on_start=None) -> int:
@@ -302,23 +333,43 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     config.trainer.output_dir = f"runs/{command}"
     check_overrides_are_read(command, apply_overrides(config, overrides), overrides)
     validate(config, command)
+    world = launched_world()  # torchrun's processes, or one
+    check_world(config, world)
+    device = start(world, resolve_device(config.trainer.device))
     out = config.trainer.output_dir
     # Before any work: a run is never written over another, and a resume finds a checkpoint
-    # that loads and the same settings (an empty or missing folder starts fresh).
-    resume = check_resume(out, config) if config.trainer.resume else None
-    if resume is None:
-        check_free(out)
+    # that loads and the same settings (an empty or missing folder starts fresh). The first
+    # process looks, the others take its answer.
+    resume = broadcast(_checked_folder(out, config) if world.main else None, world)
+    if isinstance(resume, Exception):
+        raise resume
 
     # Each command loads everything that can fail (models, data, reward function) first and
     # only then creates the run folder.
     def folder() -> RunFolder:
         if on_start is not None:
             on_start()
-        return RunFolder(out, config, resume)
+        return RunFolder(out, config, resume, world)
 
-    {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, folder)
-    print(summary(out))
+    try:
+        {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, folder, world, device)
+    finally:
+        stop(world)
+    if world.main:
+        print(summary(out))
     return 0
+
+
+def _checked_folder(out: str, config: Config):
+    """:func:`refppo.runs.check_resume`'s answer for ``out`` (None: a fresh run in a free folder),
+    or the error refusing it, to pass to the other processes."""
+    try:
+        resume = check_resume(out, config) if config.trainer.resume else None
+        if resume is None:
+            check_free(out)
+        return resume
+    except (ValueError, OSError) as error:
+        return error
 
 
 if __name__ == "__main__":

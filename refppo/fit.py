@@ -3,11 +3,9 @@ metrics log and the checkpoints on their schedules."""
 
 from __future__ import annotations
 
-import torch
 from tqdm.auto import tqdm
 
 from refppo.metrics import bar_fields
-from refppo.runs import STATE_FILE
 from refppo.trainer import PPOTrainer
 
 
@@ -18,8 +16,9 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
 
     Args:
         trainer: a PPOTrainer, possibly restored from a checkpoint.
-        run: a ``refppo.runs.RunFolder``; None keeps everything in memory.
-        progress_bar: show tqdm with score, KL and step time.
+        run: a ``refppo.runs.RunFolder`` (with several processes, each process's: only the first
+            writes); None keeps everything in memory.
+        progress_bar: show tqdm with score, KL and step time (on the first process).
 
     Returns:
         The metrics of the steps run (each with its "step").
@@ -34,7 +33,8 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
 
     if trainer.step == 0 and t.test_freq > 0:
         record(0, trainer.held_out_metrics())
-    bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not progress_bar, desc="ppo")
+    shown = progress_bar and trainer.world.main
+    bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not shown, desc="ppo")
     while trainer.step < t.total_training_steps:
         metrics = trainer.train_step()
         step = trainer.step
@@ -43,7 +43,7 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
             metrics.update(trainer.held_out_metrics())
         record(step, metrics)
         if run is not None and ((t.save_freq > 0 and step % t.save_freq == 0) or last):
-            run.save_checkpoint(step, lambda folder: torch.save(trainer.state_dict(), folder / STATE_FILE))
+            run.save_checkpoint(step, trainer.save_checkpoint)
         bar.set_postfix(bar_fields(metrics))
         bar.update(1)
     bar.close()

@@ -36,12 +36,14 @@ def sample_next_token(
     top_k: int = -1,
     top_p: float = 1.0,
     do_sample: bool = True,
-    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and its log-prob under softmax(logits / temperature).
 
-    The log-prob is that of the full temperature-scaled distribution, which is what training
-    recomputes; top-k / top-p only restrict which tokens can be drawn (as in verl with vLLM).
+    A sampled row's token is the first whose cumulative probability exceeds the row's uniform
+    number (inverse-CDF sampling: token v is drawn with its probability). The log-prob is that of
+    the full temperature-scaled distribution, which is what training recomputes; top-k / top-p only
+    restrict which tokens can be drawn (as in verl with vLLM).
 
     Args:
         logits: (B, V) next-token logits.
@@ -49,18 +51,45 @@ def sample_next_token(
         top_k: keep the k most likely tokens; <= 0 keeps all.
         top_p: keep the smallest set of most likely tokens with mass >= top_p; 1 keeps all.
         do_sample: False picks the argmax (greedy, for evaluation).
-        generator: random source for sampling.
+        uniform: (B,) numbers in [0, 1), one per row; None draws them from torch's generator.
 
     Returns:
         (tokens (B,) int64, log_probs (B,) float32).
     """
     scaled = logits.float() / temperature
     if do_sample:
-        probs = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        cdf = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1).cumsum(dim=-1)
+        if uniform is None:
+            uniform = torch.rand(cdf.shape[0], device=cdf.device)
+        # a token of probability 0 adds nothing to the CDF, so no uniform number lands on it
+        target = uniform.to(cdf)[:, None] * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
     else:
         tokens = scaled.argmax(dim=-1)
     return tokens, logprobs_from_logits(logits, tokens, temperature)
+
+
+def row_uniforms(seed: int, step: int, rows: Sequence[int], length: int, stream: int = 0) -> torch.Tensor:
+    """The uniform numbers that sample each row's tokens: every row its own stream, seeded by the
+    run's seed, the step and the row's index in the whole step's batch, so a row's samples do not
+    depend on which other rows share its batch (or its process).
+
+    Args:
+        seed: the run's seed.
+        step: the training step (or any count that changes between draws).
+        rows: the rows' indices in the whole batch.
+        length: numbers per row (the longest response).
+        stream: separates draws of the same step (training and evaluation, say).
+
+    Returns:
+        (len(rows), length) float32 in [0, 1), on the CPU.
+    """
+    out = torch.empty(len(rows), length)
+    for i, row in enumerate(rows):
+        # a tuple of ints hashes the same in every process (only str hashing is randomised)
+        generator = torch.Generator().manual_seed(hash((seed, step, row, stream)) & (2**63 - 1))
+        out[i] = torch.rand(length, generator=generator)
+    return out
 
 
 def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n):
@@ -113,6 +142,7 @@ def generate(
     ignore_eos: bool = False,
     n: int = 1,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sample responses token by token with a KV cache, recording each token's log-prob.
 
@@ -131,7 +161,9 @@ def generate(
         ignore_eos: fixed-length mode (benchmarks): every response gets ``max_new_tokens``
             valid tokens, EOS or not.
         n: samples per prompt (``rollout.n``); copies of a prompt are adjacent rows.
-        generator: random source for sampling.
+        generator: random source for sampling, when ``uniforms`` is not given.
+        uniforms: (N * n, max_new_tokens) numbers in [0, 1): row i's token t is drawn with
+            ``uniforms[i, t]`` (:func:`sample_next_token`; :func:`row_uniforms` makes them).
 
     Returns:
         The batch of :mod:`refppo.prompts` with ``rollout_log_probs`` (B, R) float32,
@@ -144,6 +176,14 @@ def generate(
     prompts = prompts.to(device).repeat_interleave(n, dim=0)
     prompt_mask = attention_mask.to(device).long().repeat_interleave(n, dim=0)
     rows, width = prompts.shape
+    if uniforms is None:
+        where = generator.device if generator is not None else None
+        uniforms = torch.rand(rows, max_new_tokens, generator=generator, device=where)
+    if uniforms.shape != (rows, max_new_tokens):
+        raise ValueError(
+            f"uniforms must be ({rows}, {max_new_tokens}): one number per row and token, got {tuple(uniforms.shape)}"
+        )
+    uniforms = uniforms.to(device)
     # the mask and positions of every slot a response can fill
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new_tokens)], dim=1)
     positions = position_ids_from_mask(mask)
@@ -162,7 +202,7 @@ def generate(
         )
     for t in range(max_new_tokens):
         # 2. sample a token per row and record its log-prob; a finished row gets pad
-        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, generator)
+        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, uniforms[:, t])
         tokens.append(token.masked_fill(done, pad_token_id))
         valid.append(~done)
         log_probs.append(logp.masked_fill(done, 0.0))

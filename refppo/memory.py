@@ -45,24 +45,32 @@ def param_count(config, value_head: bool = False) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def state_bytes(n_params: int, trained: bool = True, precision: str = "bf16-mixed") -> dict[str, int]:
-    """What a network holds between steps, in bytes.
+def state_bytes(
+    n_params: int, trained: bool = True, precision: str = "bf16-mixed", processes: int = 1
+) -> dict[str, int]:
+    """What a network holds between steps, in bytes, on each process.
 
     Args:
         n_params: its parameter count.
         trained: trained with AdamW (weights, gradients, two moments) or frozen (weights only).
         precision: "fp32" or "bf16-mixed" (bf16 compute, fp32 master weights and moments).
+        processes: how many processes shard it with FSDP2 (``torchrun``): each holds a 1/processes
+            share of every entry (the whole weights of one layer at a time exist only during its
+            pass, and count as activations).
 
     Returns:
-        ``{"weights", "gradients", "optimizer"}`` in bytes (gradients exist during the update;
-        the optimiser entry includes the fp32 master weights under mixed precision).
+        ``{"weights", "gradients", "optimizer"}`` in bytes on one process (gradients exist during
+        the update; the optimiser entry includes the fp32 master weights under mixed precision).
     """
     if precision not in TRAINED_BYTES:
         raise ValueError(f"precision={precision!r}; valid: {', '.join(TRAINED_BYTES)}")
+    if processes < 1:
+        raise ValueError(f"processes={processes} must be at least 1")
+    share = -(-n_params // processes)  # rounded up: FSDP2 pads each parameter to whole rows per process
     if not trained:
-        return {"weights": n_params * FROZEN_BYTES[precision], "gradients": 0, "optimizer": 0}
+        return {"weights": share * FROZEN_BYTES[precision], "gradients": 0, "optimizer": 0}
     weights, grads, optimizer = TRAINED_BYTES[precision]
-    return {"weights": n_params * weights, "gradients": n_params * grads, "optimizer": n_params * optimizer}
+    return {"weights": share * weights, "gradients": share * grads, "optimizer": share * optimizer}
 
 
 def _layer_values(config, seq_len: int | None) -> tuple[int, int]:
@@ -169,7 +177,9 @@ def activation_bytes(
 
 
 def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    """Bytes of the tensors, of a sharded one (an FSDP2 DTensor) this process's shard only."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors if torch.is_tensor(t))
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -180,8 +190,9 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
         optimizer: its optimiser, after at least one step (Adam creates its state lazily).
 
     Returns:
-        ``{"weights", "gradients", "optimizer"}`` in bytes: every parameter; one gradient of its
-        parameter's size for each trained one (freed between steps by ``zero_grad``); the
+        ``{"weights", "gradients", "optimizer"}`` in bytes on this process (of a model sharded
+        with FSDP2, its shards): every parameter; one gradient of its parameter's size for each
+        trained one (freed between steps by ``zero_grad``); the
         optimiser's state tensors (Adam's step counters, scalars, aside).
     """
     params = list(model.parameters())

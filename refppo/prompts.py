@@ -131,6 +131,28 @@ def tokenize_prompts(
     return left_pad(ids, tokenizer.pad_token_id)
 
 
+def tokenize_records(tokenizer, records: Sequence[dict], data) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tokenize_prompts` of the records' prompts (``data.prompt_key``) under ``data``'s
+    ``max_prompt_length`` and ``truncation`` (a run's ``config.data``): (N, L) ids and mask."""
+    prompts = [r[data.prompt_key] for r in records]
+    return tokenize_prompts(tokenizer, prompts, data.max_prompt_length, data.truncation)
+
+
+def decode_texts(tokenizer, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """A batch's prompts and responses as texts without special tokens (padding, BOS, EOS): what a
+    reward function reads.
+
+    Args:
+        tokenizer: the batch's tokenizer.
+        batch: ``prompts`` (B, P), ``responses`` (B, R) and ``response_mask`` (B, R).
+
+    Returns:
+        (prompts, responses): B texts each.
+    """
+    responses = batch["responses"].masked_fill(batch["response_mask"] == 0, tokenizer.pad_token_id)
+    return [tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in (batch["prompts"], responses)]
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that count only attended tokens, so left padding does not shift them.
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from refppo.data import EpochSampler
+from refppo.distributed import SINGLE, World
 from refppo.forward import compute_scores, response_scores
 from refppo.models import value_head
 from refppo.prompts import build_batch
@@ -44,6 +45,7 @@ def train_reward_model(
     seed: int = 0,
     log=None,
     progress_bar: bool = False,
+    world: World = SINGLE,
 ) -> list[dict[str, float]]:
     """Train a scalar-head model on (prompt, chosen, rejected) texts with AdamW.
 
@@ -55,9 +57,10 @@ def train_reward_model(
         seed: data order.
         log: optional ``log(step, metrics)``.
         progress_bar: show a tqdm bar with the loss and the accuracy.
+        world: the processes (each takes its share of every batch).
 
     Returns:
-        Per-step ``{"rm/loss", "rm/accuracy"}``.
+        Per-step ``{"rm/loss", "rm/accuracy", "rm/lr"}``.
     """
     if not comparisons:
         raise ValueError("no comparisons to train the reward model on")
@@ -67,12 +70,12 @@ def train_reward_model(
         prompts, chosen, rejected = zip(*batch)
         # One forward pass over chosen and rejected together.
         scores = response_scores(reward_model, build_batch(tokenizer, prompts * 2, chosen + rejected))
-        loss, acc = bradley_terry_loss(scores[:batch_size], scores[batch_size:])
-        return loss, {"rm/loss": loss.detach(), "rm/accuracy": acc}
+        loss, acc = bradley_terry_loss(scores[: len(batch)], scores[len(batch) :])
+        return loss, {"rm/loss": loss.detach(), "rm/accuracy": acc}, torch.tensor(float(len(batch)), device=loss.device)
 
     sampler = EpochSampler(comparisons, batch_size, seed)
     shown = {"loss": ("rm/loss", ".3f"), "acc": ("rm/accuracy", ".2f")}
-    return train_steps(reward_model, optimizer, sampler, steps, step_loss, None, log, progress_bar, "rm", shown)
+    return train_steps(reward_model, optimizer, sampler, steps, step_loss, None, log, progress_bar, "rm", shown, world)
 
 
 @torch.no_grad()

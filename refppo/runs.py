@@ -7,7 +7,12 @@ A resume trusts no single file: :func:`check_resume` loads the newest checkpoint
 
 Layout::
 
-    run/config.json  run/metrics.jsonl  run/latest  run/checkpoints/step_000010/trainer_state.pt
+    run/config.json  run/metrics.jsonl  run/latest
+    run/checkpoints/step_000010/trainer_state.pt   the step, schedules, data position, generators
+    run/checkpoints/step_000010/models/            the models and optimisers (torch.distributed.checkpoint)
+
+With several processes only the first writes, except the models' shards, which each writes; the
+models' checkpoint reads back into any number of processes.
 """
 
 from __future__ import annotations
@@ -19,13 +24,65 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from refppo.config import CRITIC_FROM_ACTOR, Config, config_to_dict, flatten
+from refppo.distributed import SINGLE, World, barrier
 from refppo.settings import resumable_settings
 
-STATE_FILE = "trainer_state.pt"  # a checkpoint's one file: PPOTrainer.state_dict()
+STATE_FILE = "trainer_state.pt"  # a checkpoint's trainer state (PPOTrainer.save_checkpoint)
+MODELS = "models"  # a checkpoint's models and optimisers
+
+
+def save_models(folder: Path, trained: dict, world: World = SINGLE) -> None:
+    """Write the trained models' and optimisers' states to ``folder/models`` with
+    ``torch.distributed.checkpoint``: with several processes each writes its shard, and the
+    checkpoint reads back into any number of processes (:func:`load_models`).
+
+    Args:
+        folder: the checkpoint's folder.
+        trained: name -> (model, optimizer).
+        world: the processes (every one of them calls this).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    states = {}
+    for name, (model, optimizer) in trained.items():
+        states[name], states[f"{name}_opt"] = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(states, checkpoint_id=Path(folder) / MODELS, no_dist=not world.distributed)
+
+
+def load_models(folder: Path, trained: dict, world: World = SINGLE) -> None:
+    """Read :func:`save_models`'s states into ``trained`` (name -> (model, optimizer), or
+    (model, None) for the weights alone, e.g. ``{"actor": (model, None)}`` to look at a checkpoint's
+    actor), resharded to this run's processes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    states = {}
+    for name, (model, optimizer) in trained.items():
+        if optimizer is None:
+            states[name] = get_model_state_dict(model)
+        else:
+            states[name], states[f"{name}_opt"] = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(states, checkpoint_id=Path(folder) / MODELS, no_dist=not world.distributed)
+    for name, (model, optimizer) in trained.items():
+        if optimizer is None:
+            set_model_state_dict(model, states[name])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=states[name], optim_state_dict=states[f"{name}_opt"])
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -61,15 +118,17 @@ class Resume:
 
     Attributes:
         step: the checkpoint's step.
-        state: the trainer state saved there (``PPOTrainer.load_state_dict`` takes it).
+        state: the trainer state saved there (``PPOTrainer.load_checkpoint`` takes it with the folder).
         metrics: the lines of ``metrics.jsonl`` up to ``step``, each ending in a newline.
         notes: what was passed over (unreadable checkpoints, a torn last log line).
+        folder: the checkpoint's folder.
     """
 
     step: int
     state: dict
     metrics: list[str]
     notes: list[str]
+    folder: Path
 
 
 def _checkpoints(path: Path) -> list[tuple[int, Path]]:
@@ -107,6 +166,7 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
         else the newest checkpoint that loads.
     """
     import torch
+    from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)
     if not holds_run(path):
@@ -134,10 +194,11 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
             state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
             if state["step"] != step:
                 raise ValueError(f"it holds step {state['step']}")
+            FileSystemReader(folder / MODELS).read_metadata()  # the models' shards are all listed there
         except Exception as e:  # torch raises many kinds for a truncated or foreign file
             notes.append(f"{folder.name} does not load ({type(e).__name__}: {e}); left in place")
             continue
-        return Resume(step, state, _metrics_until(path / "metrics.jsonl", step, notes), notes)
+        return Resume(step, state, _metrics_until(path / "metrics.jsonl", step, notes), notes, folder)
     raise ValueError(
         f"cannot resume {str(path)!r}: it holds no checkpoint that loads ({'; '.join(notes) or 'none saved yet'}). "
         "Nothing was changed; start a new run in another trainer.output_dir"
@@ -176,17 +237,19 @@ class RunFolder:
         resume: what :func:`check_resume` found, to continue that run: its metrics after the
             checkpoint are dropped. Without it an existing non-empty folder is refused, so no
             run is written over another.
+        world: the run's processes: only the first writes (the others join checkpoints).
     """
 
-    def __init__(self, path: str | os.PathLike, config: Config, resume: Resume | None = None):
-        self.path = Path(path)
-        self.resume = resume
+    def __init__(self, path: str | os.PathLike, config: Config, resume: Resume | None = None, world: World = SINGLE):
+        self.path, self.resume, self.world = Path(path), resume, world
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.tensorboard = None
+        if not world.main:
+            return
         if resume is None:
             check_free(self.path)
         self.path.mkdir(parents=True, exist_ok=True)  # checkpoints/ comes with the first checkpoint
         _atomic_write_text(self.path / "config.json", _config_json(config))
-        self.metrics_path = self.path / "metrics.jsonl"
-        self.tensorboard = None
         if resume is not None:
             _atomic_write_text(self.metrics_path, "".join(resume.metrics))
             for note in resume.notes:
@@ -204,6 +267,8 @@ class RunFolder:
 
     def enable_tensorboard(self) -> None:
         """Also write every metric to TensorBoard event files under ``tensorboard/``."""
+        if not self.world.main:
+            return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -214,6 +279,8 @@ class RunFolder:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one JSON line ``{"step": step, **metrics}`` (non-finite values as null)."""
+        if not self.world.main:
+            return
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
@@ -223,21 +290,27 @@ class RunFolder:
             self.tensorboard.flush()
 
     def save_checkpoint(self, step: int, write) -> Path:
-        """Write a checkpoint for ``step``: ``write(folder)`` fills a temporary folder, which is
-        then renamed into place and recorded in ``latest``. A folder already there for ``step``
-        (e.g. one a resume passed over as unreadable) is kept, renamed ``<name>.replaced[-k]``.
-        A failed write (disk full) removes its partial folder and says how much space is left.
+        """Write a checkpoint for ``step``: ``write(folder)`` fills a temporary folder (on every
+        process), which is then renamed into place and recorded in ``latest``. A folder already
+        there for ``step`` (e.g. one a resume passed over as unreadable) is kept, renamed
+        ``<name>.replaced[-k]``. A failed write (disk full) removes its partial folder and says how
+        much space is left.
 
         Returns:
             The checkpoint folder.
         """
         final = self.checkpoint_dir(step)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial write of this same run, killed
-        tmp.mkdir(parents=True)
+        if self.world.main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial write of this same run, killed
+            tmp.mkdir(parents=True)
+        barrier(self.world)
         try:
             write(tmp)
+            barrier(self.world)
         except Exception as e:
+            if not self.world.main:
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
             free = shutil.disk_usage(self.path).free
             full = free < 2**20 or any(
@@ -247,6 +320,8 @@ class RunFolder:
                 f"{'no space left on the disk: ' if full else ''}writing checkpoint {final.name} failed ({e}); "
                 f"{free / 2**20:.0f} MiB free. The last good checkpoint (step {self.latest_step()}) is intact"
             ) from e
+        if not self.world.main:
+            return final
         if final.exists():
             aside, k = final.with_name(final.name + ".replaced"), 1
             while aside.exists():

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from refppo.data import EpochSampler
+from refppo.distributed import SINGLE, World, all_sum, sum_stats, take_share
 from refppo.forward import LogProbsFn, response_log_probs
 from refppo.losses import agg_loss
 from refppo.prompts import build_batch
@@ -44,6 +45,7 @@ def train_sft(
     log=None,
     progress_bar: bool = False,
     log_probs_fn: LogProbsFn = response_log_probs,
+    world: World = SINGLE,
 ) -> list[dict[str, float]]:
     """Train ``model`` on (prompt, response) pairs with AdamW and a cosine schedule.
 
@@ -58,6 +60,7 @@ def train_sft(
         log: optional ``log(step, metrics)`` called every step.
         progress_bar: show a tqdm bar with the loss.
         log_probs_fn: as in :func:`sft_loss`.
+        world: the processes (each trains on its share of every batch: :func:`train_steps`).
 
     Returns:
         Per-step metrics ``{"sft/loss", "sft/lr"}``.
@@ -69,12 +72,13 @@ def train_sft(
 
     def step_loss(batch):
         prompts, responses = zip(*batch)
-        loss = sft_loss(model, build_batch(tokenizer, prompts, responses), log_probs_fn)
-        return loss, {"sft/loss": loss.detach(), "sft/lr": schedule.get_last_lr()[0]}
+        rollout = build_batch(tokenizer, prompts, responses)
+        loss = sft_loss(model, rollout, log_probs_fn)
+        return loss, {"sft/loss": loss.detach()}, rollout["response_mask"].sum()
 
     sampler = EpochSampler(examples, batch_size, seed)
     shown = {"loss": ("sft/loss", ".3f")}
-    return train_steps(model, optimizer, sampler, steps, step_loss, schedule, log, progress_bar, "sft", shown)
+    return train_steps(model, optimizer, sampler, steps, step_loss, schedule, log, progress_bar, "sft", shown, world)
 
 
 def train_steps(
@@ -88,30 +92,38 @@ def train_steps(
     progress_bar=False,
     desc="train",
     shown=None,
+    world: World = SINGLE,
 ) -> list[dict[str, float]]:
     """``steps`` optimiser steps (SFT, the reward model): each draws ``sampler.next_batch()``,
-    computes ``step_loss(batch) -> (loss, metrics)``, clips the gradient norm at 1 and steps the
-    optimiser, then ``schedule``.
+    computes ``step_loss(batch) -> (mean loss, {name: mean}, count)`` (count: what the means are
+    over, tokens or pairs), clips the gradient norm at 1 and steps the optimiser, then
+    ``schedule``. With several processes each takes its share of the batch and weighs its means
+    by its share of the count, so the summed gradient and the logged means are the whole batch's.
 
     Args:
         model: the model trained (train mode during the loop, eval after).
         optimizer, schedule: the optimiser and an optional LR scheduler.
         sampler: a ``refppo.data.EpochSampler``.
         steps: how many steps.
-        step_loss: batch -> (scalar loss, {name: scalar}).
+        step_loss: batch -> (scalar mean loss, {name: scalar mean}, scalar count).
         log: optional ``log(step, metrics)`` called every step.
-        progress_bar, desc, shown: a tqdm bar named ``desc`` showing ``{label: (metric, format)}``.
+        progress_bar, desc, shown: a tqdm bar named ``desc`` showing ``{label: (metric, format)}``
+            (on the first process).
+        world: the processes (every batch size a multiple of their number).
 
     Returns:
-        Per-step metrics as floats.
+        Per-step metrics as floats, with the learning rate of the step as ``<desc>/lr``.
     """
     history = []
     model.train()
-    bar = tqdm(range(1, steps + 1), desc=desc, disable=not progress_bar)
+    bar = tqdm(range(1, steps + 1), desc=desc, disable=not (progress_bar and world.main))
     for step in bar:
-        loss, metrics = step_loss(sampler.next_batch())
+        lr = optimizer.param_groups[0]["lr"]
+        loss, metrics, count = step_loss(take_share(sampler.next_batch(), world))
+        share = count / all_sum(count, world)  # 1 with one process
+        metrics = sum_stats({k: v * share for k, v in metrics.items()}, world) | {f"{desc}/lr": lr}
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * share).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         metrics = {k: float(v) for k, v in metrics.items()}

@@ -30,29 +30,30 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import torch
 
-from refppo import accel
-from refppo.accel.checkpointing import enable_gradient_checkpointing
-from refppo.accel.logprobs import check_fused_kernels
+from refppo import accel, distributed
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import check_values, value_checks
 from refppo.config import Config, critic_setting
 from refppo.data import EpochSampler
+from refppo.distributed import SINGLE, World
 from refppo.forward import compute_scores, response_values
 from refppo.functional import masked_mean
-from refppo.generation import generate
+from refppo.generation import generate, row_uniforms
 from refppo.kl import get_kl_controller, kl_penalty
 from refppo.losses import POLICY_LOSSES, agg_loss, compute_value_loss
 from refppo.metrics import data_metrics, gather, peak_memory_gb, throughput_metrics, timer
 from refppo.models import make_reference
 from refppo.optim import make_optimizer
-from refppo.prompts import tokenize_prompts
+from refppo.prompts import decode_texts, tokenize_records
 from refppo.registry import call_declared
 from refppo.reward_fns import RewardFn, check_scores, describe
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout_correction import compute_rollout_is_weights
+from refppo.runs import STATE_FILE, load_models, save_models
 from refppo.update import minibatch_updates
 
 
@@ -87,8 +88,10 @@ class PPOTrainer:
         reward_model=None,
         reference=None,
         extra_reward_fns: dict[str, RewardFn] | None = None,
+        world: World = SINGLE,
     ):
         c = config
+        distributed.check_world(c, world)
         if reward_fn is None and reward_model is None:
             raise ValueError("PPOTrainer needs a reward_fn or a reward_model")
         self.use_critic = needs_critic(c.algorithm.adv_estimator)
@@ -98,23 +101,16 @@ class PPOTrainer:
         self.config, self.tokenizer, self.actor, self.critic = c, tokenizer, actor, critic
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.extra_reward_fns = extra_reward_fns or {}
-        self.val_records = val_records
+        self.val_records, self.world = val_records, world
         self.device = actor.device
-        if c.rollout.cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"rollout.cuda_graphs=true needs the actor on a CUDA device, not {self.device}")
-        # the speed paths, chosen once (refppo.accel): the same numbers as the plain ones
-        self.accel = accel.select(c, self.device)
-        self.sampling_model = self.accel.decoder(actor, c.data.max_prompt_length + c.data.max_response_length)
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
-        if c.model.enable_gradient_checkpointing:  # after the reference's copy, which is never trained
-            enable_gradient_checkpointing(actor)
-        if self.use_critic and c.critic.model.enable_gradient_checkpointing:
-            enable_gradient_checkpointing(critic, "critic.model.enable_gradient_checkpointing")
-        if c.model.use_fused_kernels:
-            check_fused_kernels(actor)
-            if self.need_ref:
-                check_fused_kernels(self.reference, "reference")
+        # the speed paths, chosen once (refppo.accel): the same numbers as the plain ones
+        accel.prepare_models(c, actor, critic, self.reference)
+        self.accel = accel.select(c, self.device, world.distributed)
+        self.sampling_model = self.accel.decoder(actor, c.data.max_prompt_length + c.data.max_response_length)
+        for model in (actor, self.reference, critic, reward_model):  # under torchrun: FSDP2
+            distributed.shard(model, world)
         self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed)
         self.kl_ctrl = get_kl_controller(**vars(c.algorithm.kl_ctrl))
         total = c.trainer.total_training_steps
@@ -123,29 +119,26 @@ class PPOTrainer:
         if self.use_critic:
             self.critic_params = [p for p in critic.parameters() if p.requires_grad]
             self.critic_opt, self.critic_sched = make_optimizer(self.critic_params, c.critic.optim, total)
-        self.gen = torch.Generator(self.device).manual_seed(c.trainer.seed)  # sampling
         self.shuffle_gen = torch.Generator().manual_seed(c.trainer.seed + 1)  # mini-batch order
         self.step = 0
         self.last_update_stats: list[dict[str, float]] = []  # per actor mini-batch, for inspection
         self.skipped_in_a_row: dict[str, int] = {}  # "actor" / "critic" -> updates skipped (non-finite grad)
 
     # ---- phase 1: generate -------------------------------------------------------------
-    def generate(self, records: list[dict], n: int, do_sample: bool = True) -> dict[str, torch.Tensor]:
-        """Roll out ``n`` responses for each record's prompt (:func:`refppo.generation.generate`)."""
-        c = self.config
-        prompts = [r[c.data.prompt_key] for r in records]
-        ids, mask = tokenize_prompts(self.tokenizer, prompts, c.data.max_prompt_length, c.data.truncation)
-        r, tok = c.rollout, self.tokenizer
-        sampling = dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, ignore_eos=r.ignore_eos)
-        eos, pad, limit = tok.eos_token_id, tok.pad_token_id, c.data.max_response_length
-        return generate(
-            self.sampling_model, ids, mask, eos, pad, limit, do_sample=do_sample, n=n, generator=self.gen, **sampling
-        )
-
-    def _texts(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-        decode = self.tokenizer.batch_decode
-        responses = batch["responses"].masked_fill(batch["response_mask"] == 0, self.tokenizer.pad_token_id)
-        return decode(batch["prompts"], skip_special_tokens=True), decode(responses, skip_special_tokens=True)
+    def generate(
+        self, records: list[dict], n: int, do_sample: bool = True, first_row: int = 0, stream: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """Roll out ``n`` responses for each record's prompt (:func:`refppo.generation.generate`),
+        row ``first_row + i`` of the step's whole batch drawn from its own numbers
+        (:func:`refppo.generation.row_uniforms`; ``stream`` 1 for evaluation)."""
+        c, tok, r = self.config, self.tokenizer, self.config.rollout
+        ids, mask = tokenize_records(tok, records, c.data)
+        limit, rows = c.data.max_response_length, range(first_row, first_row + len(ids) * n)
+        sampling = dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, ignore_eos=r.ignore_eos, n=n)
+        sampling["uniforms"] = row_uniforms(c.trainer.seed, self.step, rows, limit, stream)
+        with distributed.Unsharded(self.actor, self.world):  # each token passes every layer: gather the weights once
+            model, eos, pad = self.sampling_model, tok.eos_token_id, tok.pad_token_id
+            return generate(model, ids, mask, eos, pad, limit, do_sample=do_sample, **sampling)
 
     def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sequence scores (B,) for training, and the extra (reported-only) scores by name.
@@ -158,7 +151,7 @@ class PPOTrainer:
         if self.reward_model is not None:
             scores = compute_scores(self.reward_model, batch, rm.micro_batch_size_per_gpu)
         else:
-            texts = self._texts(batch)
+            texts = decode_texts(self.tokenizer, batch)
             scores = check_scores(
                 self.reward_fn(*texts, rows), len(rows), f"reward function {describe(self.reward_fn)}"
             )
@@ -166,7 +159,7 @@ class PPOTrainer:
             scores = apply_missing_eos_penalty(scores.to(self.device), batch["is_truncated"], rm.missing_eos_penalty)
         extras = {}
         for name, fn in self.extra_reward_fns.items():
-            texts = texts or self._texts(batch)
+            texts = texts or decode_texts(self.tokenizer, batch)
             extras[name] = check_scores(fn(*texts, rows), len(rows), f"reward function {name!r}")
         return scores.to(self.device), extras
 
@@ -190,7 +183,6 @@ class PPOTrainer:
         # 2a. the score of each response: a reward model or a rule
         with timer(timing, "reward", device):
             scores, extras = self.score(batch, rows)
-        stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
         # 2b. log pi_ref and log pi_old of the sampled tokens (bypass takes the sampler's as pi_old)
         if self.need_ref:
             with timer(timing, "ref", device):
@@ -203,16 +195,22 @@ class PPOTrainer:
             with timer(timing, "old_log_prob", device):
                 micro = c.rollout.log_prob_micro_batch_size_per_gpu
                 batch["old_log_probs"], entropy = passes.compute_log_probs(self.actor, batch, temp, micro, True)
-        if c.actor.policy_mode == "rollout_correction":
-            batch["rollout_is_weights"] = compute_rollout_is_weights(
-                batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor.rollout_is_threshold
-            )
         # 2c. the critic's values
         if self.use_critic:
             with timer(timing, "values", device):
                 micro = c.critic.ppo_micro_batch_size_per_gpu
                 batch["values"] = self.accel.critic.compute_values(self.critic, batch, micro)
+        # with several processes, each scored its own rows: from here on every process has them all
+        scores, extras, entropy = distributed.gather_evaluated(
+            batch, scores, extras, entropy, self.tokenizer.pad_token_id, self.world
+        )
+        mask = batch["response_mask"]
+        stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
         # 2d. token-level rewards (KL in the reward) and advantages
+        if c.actor.policy_mode == "rollout_correction":
+            batch["rollout_is_weights"] = compute_rollout_is_weights(
+                batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor.rollout_is_threshold
+            )
         with timer(timing, "adv", device):
             stats |= self._rewards_and_advantages(batch, scores)
         # The update reads these in every micro-batch: check their values here, once per step.
@@ -261,13 +259,16 @@ class PPOTrainer:
         settings = ("ppo_epochs", "ppo_mini_batch_size", "loss_agg_mode")
         epochs, mini_size, agg_mode = (getattr(c.actor, k) if actor else critic_setting(c, k) for k in settings)
         passes, rows = (self.accel.actor if actor else self.accel.critic), getattr(c, role).ppo_micro_batch_size_per_gpu
+        share = lambda mini: distributed.take_share(mini, self.world)
         return minibatch_updates(
             batch,
             role,
             self.actor_params if actor else self.critic_params,
             self.actor_opt if actor else self.critic_opt,
             self._actor_loss if actor else self._critic_loss,
-            micro_batches=lambda mini: [mb for _, mb in passes.micro_batches(mini, rows)],
+            # this process's share of each mini-batch; the stats of all its micro-batches summed over processes
+            micro_batches=lambda mini: [mb for _, mb in passes.micro_batches(share(mini), rows)],
+            reduce=lambda stats: distributed.sum_stats(stats, self.world),
             epochs=epochs,
             mini_rows=mini_size * c.rollout.n,
             agg_mode=agg_mode,
@@ -340,10 +341,11 @@ class PPOTrainer:
             (batch, stats): the batch holds every key of :func:`refppo.generation.generate` plus
             those ``evaluate`` adds, B = len(records) x rollout.n rows; stats as ``evaluate`` returns.
         """
-        n = self.config.rollout.n
+        n, share = self.config.rollout.n, self.world.share(len(records))  # this process's prompts
         with timer(timing, "gen", self.device):
-            batch = self.generate(records, n)
-        return batch, self.evaluate(batch, [r for r in records for _ in range(n)], timing)
+            batch = self.generate(records[share], n, first_row=share.start * n)
+        batch["index"] += share.start
+        return batch, self.evaluate(batch, [r for r in records[share] for _ in range(n)], timing)
 
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
         """Phase 3: the critic's update, then the actor's (after ``trainer.critic_warmup`` steps).
@@ -400,51 +402,49 @@ class PPOTrainer:
         (``val/score_sampled``, what training optimises). verl logs the greedy mean as
         ``val-core/<data_source>/reward/mean@1`` (``acc`` for ``reward`` when the reward function
         returns one); refppo has one data source and keeps the short name."""
-        out = {}
+        out, (records, first, count) = {}, distributed.padded_share(self.val_records, self.world)
         for suffix, do_sample in (("", False), ("_sampled", True)):
-            batch = self.generate(self.val_records, n=1, do_sample=do_sample)
-            scores, extras = self.score(batch, self.val_records)
-            out[f"val/score{suffix}"] = scores.mean()
-            out |= {f"val/{k}{suffix}": v.mean() for k, v in extras.items()}
-            out[f"val/response_length{suffix}"] = batch["response_mask"].sum(-1).float().mean()
+            batch = self.generate(records, n=1, do_sample=do_sample, first_row=first, stream=1)
+            scores, extras = self.score(batch, records)
+            lengths = batch["response_mask"].sum(-1).float()
+            gathered = {"score": scores, **extras, "response_length": lengths}
+            for key, value in gathered.items():  # every process's rows, then the mean
+                out[f"val/{key}{suffix}"] = distributed.gather_rows(value, self.world)[:count].mean()
         return {k: float(v) for k, v in out.items()}
 
     # ---- checkpoints -------------------------------------------------------------------
-    def _stateful(self) -> dict:
-        """The parts with a ``state_dict()`` a checkpoint keeps, by name."""
-        parts = {
-            "actor": self.actor,
-            "actor_opt": self.actor_opt,
-            "actor_sched": self.actor_sched,
-            "sampler": self.sampler,
-        }
+    def _roles(self) -> dict:
+        """The trained models by name: (model, optimiser, learning-rate schedule)."""
+        roles = {"actor": (self.actor, self.actor_opt, self.actor_sched)}
         if self.use_critic:
-            parts |= {"critic": self.critic, "critic_opt": self.critic_opt, "critic_sched": self.critic_sched}
-        return parts
+            roles["critic"] = (self.critic, self.critic_opt, self.critic_sched)
+        return roles
 
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs to continue exactly: weights, optimisers, schedulers,
-        the KL controller, the data position, every random generator and the step."""
-        state = {name: part.state_dict() for name, part in self._stateful().items()}
-        state |= {"step": self.step, "kl_ctrl": vars(self.kl_ctrl).copy(), "gen": self.gen.get_state()}
+    def save_checkpoint(self, folder: Path) -> None:
+        """Everything a resumed run needs to continue exactly: the models and optimisers
+        (:func:`refppo.runs.save_models`; every process its shard), and in ``folder/trainer_state.pt``
+        the step, the schedules, the KL controller, the data position and the generators."""
+        save_models(folder, {name: (model, opt) for name, (model, opt, _) in self._roles().items()}, self.world)
+        if not self.world.main:
+            return
+        state = {"step": self.step, "kl_ctrl": vars(self.kl_ctrl).copy(), "sampler": self.sampler.state_dict()}
+        state |= {f"{name}_sched": sched.state_dict() for name, (_, _, sched) in self._roles().items()}
         state |= {
             "shuffle_gen": self.shuffle_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        return state
+        torch.save(state, folder / STATE_FILE)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-        for name, part in self._stateful().items():
-            part.load_state_dict(state[name])
+    def load_checkpoint(self, folder: Path, state: dict) -> None:
+        """Restore :meth:`save_checkpoint`'s ``folder``, whose ``trainer_state.pt`` holds ``state``
+        (a run saved by any number of processes)."""
+        load_models(folder, {name: (model, opt) for name, (model, opt, _) in self._roles().items()}, self.world)
+        for name, (_, _, sched) in self._roles().items():
+            sched.load_state_dict(state[f"{name}_sched"])
         self.step = state["step"]
         vars(self.kl_ctrl).update(state["kl_ctrl"])
-        self.gen.set_state(state["gen"])
+        self.sampler.load_state_dict(state["sampler"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        if "cuda_rng" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])

@@ -31,6 +31,7 @@ def minibatch_updates(
     grad_clip: float,
     shuffle_gen: torch.Generator,
     skipped: dict[str, int],
+    reduce: Callable[[dict], dict] = lambda stats: stats,
 ) -> list[dict[str, torch.Tensor]]:
     """``epochs`` x shuffled mini-batches of ``mini_rows`` rows x micro-batches; returns one dict of
     stats per mini-batch.
@@ -46,10 +47,12 @@ def minibatch_updates(
         name: "actor" or "critic", the stats' prefix and the key in ``skipped``.
         params, optimizer: the trained parameters and their optimiser.
         micro_loss: micro-batch -> (loss scalar, {name: detached scalar}).
-        micro_batches: mini-batch -> its micro-batches.
+        micro_batches: mini-batch -> its micro-batches (with several processes, this process's).
         epochs, agg_mode, grad_clip: ``ppo_epochs``, ``loss_agg_mode``, ``grad_clip``.
         shuffle_gen: the mini-batches' order, drawn again every epoch.
         skipped: name -> updates skipped in a row, updated here.
+        reduce: the stats of a mini-batch's micro-batches -> the whole mini-batch's (with several
+            processes, their sum over the processes).
     """
     rows = batch["response_mask"].shape[0]
     device = batch["response_mask"].device
@@ -68,7 +71,10 @@ def minibatch_updates(
                     share = mb["response_mask"].sum() / mini["response_mask"].sum()
                     for k, v in micro_stats.items():
                         stats[k] = stats.get(k, 0.0) + (weight if k in LOSS_STATS else share) * v
+                stats = reduce(stats)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP2's sharded gradients give a distributed norm
+                    grad_norm = grad_norm.full_tensor()
                 finite = bool(torch.isfinite(grad_norm))
                 if finite:
                     optimizer.step()

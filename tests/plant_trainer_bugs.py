@@ -48,6 +48,28 @@ BUGS = [
         'read = ("unchecked", "ref_log_prob",',
     ),
     ("update.py", "micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
+    (
+        "update.py",
+        "loss normalised over this process's rows (a per-rank mean)",
+        "for mb in micro_batches(mini):\n                    loss, micro_stats = micro_loss(mb)\n"
+        '                    weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)',
+        "for mb in (mbs := micro_batches(mini)):\n                    loss, micro_stats = micro_loss(mb)\n"
+        '                    weight = agg_loss_weight(mb["response_mask"], '
+        'torch.cat([m["response_mask"] for m in mbs]), agg_mode)',
+    ),
+    (
+        "distributed.py",
+        "statistics averaged over processes, not summed",
+        "for k in names]), world)",
+        "for k in names]), world) / world.size",
+    ),
+    ("samples seeded by the process's row, not the batch's", "first_row=share.start * n)", "first_row=0)"),
+    (
+        "distributed.py",
+        "generation gathers the weights at every pass (a collective per decoding step)",
+        "module.set_reshard_after_forward(False, recurse=False)\n            module.unshard()",
+        "module.unshard()",
+    ),
     ("update.py", "logged losses weighted by token share", "(weight if k in LOSS_STATS else share) * v", "share * v"),
     (
         "temperature ignored in the update",
@@ -272,5 +294,6 @@ if __name__ == "__main__":
             "tests/test_accel_gae.py",
             "tests/test_accel_decoding.py",
             "tests/test_accel_checkpointing.py",
+            "tests/test_distributed.py",
         ]
     )

@@ -8,7 +8,7 @@ from _inputs import PROMPTS, rollout, row_tokens
 
 from refppo.accel.decoding import StaticDecoder
 from refppo.forward import compute_log_probs, compute_values
-from refppo.generation import cache_argument, generate, sample_next_token
+from refppo.generation import cache_argument, generate, row_uniforms, sample_next_token
 from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
 from refppo.prompts import left_pad, tokenize_prompts
 
@@ -135,7 +135,7 @@ def test_sampling_filters_match_a_plain_reference():
             allowed.append(set(kept))
         seen = [set() for _ in range(6)]
         for _ in range(200):
-            tokens, logp = sample_next_token(logits, 0.8, top_k, top_p, True, gen)
+            tokens, logp = sample_next_token(logits, 0.8, top_k, top_p, True, torch.rand(6, generator=gen))
             for i, t in enumerate(tokens.tolist()):
                 seen[i].add(t)
                 assert math.isclose(logp[i].item(), math.log(probs[i, t].item()), abs_tol=1e-5)
@@ -145,6 +145,45 @@ def test_sampling_filters_match_a_plain_reference():
                 assert seen[i] == allowed[i]
     greedy, _ = sample_next_token(logits, 1.0, do_sample=False)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_inverse_cdf_sampling_draws_each_token_with_its_probability():
+    """Every token's frequency over 40,000 draws is its probability within 4 standard errors; a
+    uniform number of 0 draws the first token with probability above 0, and one just below 1 the
+    last."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, generator=gen) * 2
+    logits[1, 0] = -float("inf")  # probability 0: never drawn
+    probs = logits.double().softmax(-1)
+    draws = 40_000
+    counts = torch.zeros(3, 7, dtype=torch.float64)
+    for u in torch.rand(draws, 3, generator=gen):
+        tokens, _ = sample_next_token(logits, uniform=u)
+        counts[torch.arange(3), tokens] += 1
+    frequency = counts / draws
+    assert frequency[1, 0] == 0
+    assert ((frequency - probs).abs() <= 4 * (probs * (1 - probs) / draws).sqrt() + 1e-12).all(), (frequency, probs)
+    first, _ = sample_next_token(logits, uniform=torch.zeros(3))
+    last, _ = sample_next_token(logits, uniform=torch.full((3,), 1 - 1e-7))
+    assert first.tolist() == [0, 1, 0] and last.tolist() == [6, 6, 6]
+
+
+def test_a_rows_samples_do_not_depend_on_the_rest_of_the_batch(tok, models):
+    """With row_uniforms, a prompt sampled as row 2 of a batch of four, or alone as row 2, gets the
+    same response: its numbers follow its index, not its neighbours (several processes rely on it)."""
+    actor = models[0]
+    ids, mask = tokenize_prompts(tok, PROMPTS)
+    whole = generate(
+        actor, ids, mask, tok.eos_token_id, tok.pad_token_id, 10, uniforms=row_uniforms(0, 3, range(4), 10)
+    )
+    alone_ids, alone_mask = tokenize_prompts(tok, PROMPTS[2:3])
+    alone = generate(
+        actor, alone_ids, alone_mask, tok.eos_token_id, tok.pad_token_id, 10, uniforms=row_uniforms(0, 3, [2], 10)
+    )
+    n = int(alone["response_mask"].sum())
+    assert torch.equal(alone["responses"][0, :n], whole["responses"][2, :n]) and n > 1
+    assert not torch.equal(row_uniforms(0, 3, [2], 10), row_uniforms(0, 4, [2], 10)), "another step, other numbers"
+    assert not torch.equal(row_uniforms(0, 3, [2], 10), row_uniforms(0, 3, [2], 10, stream=1)), "another stream"
 
 
 def test_bad_input(tok, models):

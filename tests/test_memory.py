@@ -40,6 +40,11 @@ def test_state_bytes_per_parameter():
     assert state_bytes(1000, trained=False, precision="fp32")["weights"] == 4000
     with pytest.raises(ValueError, match="precision='fp16'"):
         state_bytes(1000, precision="fp16")
+    # FSDP2 over 8 processes: each holds an eighth of each entry, the count padded to a multiple of 8
+    assert state_bytes(1000, processes=8) == {k: v // 8 for k, v in state_bytes(1000).items()}
+    assert state_bytes(1001, trained=False, processes=8)["weights"] == 126 * 2
+    with pytest.raises(ValueError, match="processes=0"):
+        state_bytes(1000, processes=0)
 
 
 def test_held_bytes_of_a_trained_model_match_the_fp32_arithmetic():

@@ -2,7 +2,16 @@ import pytest
 import torch
 from _inputs import CHAT_TEMPLATES, chat_tokenizer
 
-from refppo.prompts import encode_prompts, left_pad, position_ids_from_mask, tokenize_prompts
+from refppo.config import Config, apply_overrides
+from refppo.prompts import (
+    decode_texts,
+    encode_prompts,
+    left_pad,
+    position_ids_from_mask,
+    sequence_batch,
+    tokenize_prompts,
+    tokenize_records,
+)
 
 
 def test_prompt_length_limit(tok):
@@ -14,6 +23,21 @@ def test_prompt_length_limit(tok):
     assert tok.decode(ids[0]) == "<bos>12+3"
     with pytest.raises(ValueError, match="unknown truncation 'middle'"):
         tokenize_prompts(tok, ["1"], max_prompt_length=5, truncation="middle")
+
+
+def test_records_are_tokenized_under_the_data_settings_and_decoded_back(tok):
+    data = apply_overrides(Config(), ["data.prompt_key=question", "data.max_prompt_length=5"]).data
+    records = [{"question": "1+1="}, {"question": "12+34="}]
+    with pytest.raises(ValueError, match="prompt 1 has 7 tokens"):
+        tokenize_records(tok, records, data)
+    data.truncation = "right"
+    ids, mask = tokenize_records(tok, records, data)
+    assert torch.equal(ids, tokenize_prompts(tok, ["1+1=", "12+34="], 5, "right")[0])
+    # responses "2<eos><pad>" and "46<eos>": the texts leave out BOS, EOS and padding
+    responses = torch.tensor([[tok.convert_tokens_to_ids("2"), tok.eos_token_id, tok.pad_token_id], [0, 0, 0]])
+    responses[1] = torch.tensor(tok.convert_tokens_to_ids(["4", "6"]) + [tok.eos_token_id])
+    batch = sequence_batch(ids, mask, responses, torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    assert decode_texts(tok, batch) == [["1+1=", "2+34="], ["2", "46"]]
 
 
 @pytest.mark.parametrize("template", CHAT_TEMPLATES)

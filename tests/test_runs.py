@@ -4,6 +4,7 @@ torn logs, changed settings, a full disk, and SIGKILLs during training."""
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,31 @@ import torch
 
 from refppo.cli import main
 from refppo.config import Config, apply_overrides
-from refppo.runs import STATE_FILE, RunFolder, check_resume
+from refppo.runs import MODELS, STATE_FILE, RunFolder, check_resume, load_models, save_models
+
+
+def _write_checkpoint(folder, step):
+    """A checkpoint as PPOTrainer.save_checkpoint writes one: the trainer state and the models'
+    torch.distributed.checkpoint (here one small tensor)."""
+    torch.save({"step": step}, folder / STATE_FILE)
+    model = torch.nn.Linear(2, 1)
+    save_models(folder, {"model": (model, torch.optim.SGD(model.parameters(), lr=0.1))})
+
+
+def test_saved_models_load_with_their_optimisers_or_alone(tmp_path):
+    torch.manual_seed(0)
+    model, fresh, alone = (torch.nn.Linear(3, 2) for _ in range(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    save_models(tmp_path, {"actor": (model, optimizer)})
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    load_models(tmp_path, {"actor": (fresh, fresh_opt)})
+    load_models(tmp_path, {"actor": (alone, None)})  # the weights only, as chapter 8 reads a checkpoint
+    for loaded in (fresh, alone):
+        assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
+    moments = [fresh_opt.state[p]["exp_avg_sq"] for p in fresh.parameters()]
+    assert all(torch.equal(a, optimizer.state[p]["exp_avg_sq"]) for a, p in zip(moments, model.parameters()))
 
 
 def _saved_run(path, steps=(2, 4, 6)):
@@ -24,7 +49,7 @@ def _saved_run(path, steps=(2, 4, 6)):
     for step in range(max(steps) + 1):
         run.log(step, {"score": float(step)})
         if step in steps:
-            run.save_checkpoint(step, lambda folder, step=step: torch.save({"step": step}, folder / STATE_FILE))
+            run.save_checkpoint(step, lambda folder, step=step: _write_checkpoint(folder, step))
     return run
 
 
@@ -45,11 +70,16 @@ def _steps(path):
     return [json.loads(line)["step"] for line in (Path(path) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "missing", "models missing", "models metadata torn"])
 def test_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, damage):
     run = _saved_run(tmp_path / "r")
     newest = run.checkpoint_dir(6) / STATE_FILE
-    if damage == "truncated":
+    models = run.checkpoint_dir(6) / MODELS
+    if damage == "models missing":
+        shutil.rmtree(models)
+    elif damage == "models metadata torn":
+        (models / ".metadata").write_bytes((models / ".metadata").read_bytes()[:10])
+    elif damage == "truncated":
         newest.write_bytes(newest.read_bytes()[:20])
     elif damage == "empty":
         newest.write_bytes(b"")
@@ -62,7 +92,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, damage)
     resumed = RunFolder(tmp_path / "r", Config(), resume)
     assert _steps(tmp_path / "r") == [0, 1, 2, 3, 4]  # the lines past the checkpoint are dropped
     damaged = _snapshot(run.checkpoint_dir(6))
-    resumed.save_checkpoint(6, lambda folder: torch.save({"step": 6}, folder / STATE_FILE))
+    resumed.save_checkpoint(6, lambda folder: _write_checkpoint(folder, 6))
     # The checkpoint this run did not write is kept beside the new one, untouched.
     assert _snapshot(run.checkpoint_dir(6).with_name("step_000006.replaced")) == damaged
     assert torch.load(run.checkpoint_dir(6) / STATE_FILE) == {"step": 6}

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from refppo.accel.checkpointing import enable_gradient_checkpointing
 from refppo.accel.decoding import StaticDecoder
 from refppo.accel.gae import packed_gae_advantage_return
-from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs
+from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs, check_fused_kernels
 from refppo.accel.token_budget import TokenBudgetPasses
 from refppo.config import Config
 from refppo.forward import ForwardPasses, response_log_probs
@@ -56,19 +57,21 @@ def on_cuda(setting: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" if setting is None else setting
 
 
-def select(config: Config, device: torch.device) -> Accel:
+def select(config: Config, device: torch.device, distributed: bool = False) -> Accel:
     """The paths ``config`` asks for on ``device``.
 
     - log-probs: in blocks when the device is CUDA, ``actor.use_torch_compile`` is on (null: on
       CUDA) or ``model.use_fused_kernels`` is set; else :func:`refppo.forward.response_log_probs`;
     - micro-batches: of a token budget with ``actor.use_dynamic_bsz`` / ``critic.use_dynamic_bsz``;
     - decoding: :class:`~refppo.accel.decoding.StaticDecoder` with ``rollout.cuda_graphs`` (null:
-      on CUDA);
+      on CUDA, but not under torchrun);
     - GAE: :func:`~refppo.accel.gae.packed_gae_advantage_return` on CUDA.
 
     Args:
         config: validated settings.
         device: where the models run.
+        distributed: whether the models are sharded over processes (FSDP2), whose parameters a
+            captured CUDA graph could not keep.
     """
     compiled = on_cuda(config.actor.use_torch_compile, device)
     fused = config.model.use_fused_kernels
@@ -85,6 +88,24 @@ def select(config: Config, device: torch.device) -> Accel:
     return Accel(
         actor=passes(config.actor),
         critic=passes(config.critic),
-        decoder=StaticDecoder if on_cuda(config.rollout.cuda_graphs, device) else _plain_decoder,
+        decoder=StaticDecoder if on_cuda(config.rollout.cuda_graphs, device) and not distributed else _plain_decoder,
         adv_estimators={"gae": packed_gae_advantage_return} if cuda else {},
     )
+
+
+def prepare_models(config: Config, actor, critic=None, reference=None) -> None:
+    """What the speed options need from the models, before training starts: activation
+    checkpointing turned on in the trained ones (``model.enable_gradient_checkpointing``,
+    ``critic.model.enable_gradient_checkpointing``), and a refusal, by name, of a model whose
+    log-probs ``model.use_fused_kernels`` cannot compute from its hidden states. ``reference`` must
+    already be copied from ``actor`` (it is never trained)."""
+    if config.rollout.cuda_graphs and actor.device.type != "cuda":
+        raise ValueError(f"rollout.cuda_graphs=true needs the actor on a CUDA device, not {actor.device}")
+    if config.model.enable_gradient_checkpointing:
+        enable_gradient_checkpointing(actor)
+    if critic is not None and config.critic.model.enable_gradient_checkpointing:
+        enable_gradient_checkpointing(critic, "critic.model.enable_gradient_checkpointing")
+    if config.model.use_fused_kernels:
+        check_fused_kernels(actor)
+        if reference is not None:
+            check_fused_kernels(reference, "reference")
