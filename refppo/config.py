@@ -65,6 +65,10 @@ HAS_CRITIC = when(
     lambda s: needs_critic(s.config.algorithm.adv_estimator),
     lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", "values") + " (an estimator with a critic)",
 )
+WARMUP = when(  # 0 is accepted without a critic too: verl's GRPO scripts set it
+    lambda s: HAS_CRITIC(s) is None or s.config.trainer.critic_warmup == 0,
+    lambda s: HAS_CRITIC(s),
+)
 LOSS_TAKES = when(  # a setting of the policy loss: read by the losses that declare it
     lambda s: POLICY_LOSSES.takes(s.config.actor.policy_loss, s.name),
     lambda s: _takers(POLICY_LOSSES, "actor.policy_loss", s.name),
@@ -330,7 +334,8 @@ class TrainerConfig:
     resume: bool = setting(False, resumable=True, unread_because="it saves no checkpoints")
     # Steps that update only the critic, as verl's documentation defines it; verl's trainer
     # (actor updated once critic_warmup <= global_steps, counted from 1) runs one fewer.
-    critic_warmup: int = setting(5, NONNEG)
+    # Without a critic there is nothing to warm up: the actor is updated from the first step.
+    critic_warmup: int = setting(5, NONNEG, needs=WARMUP)
     tensorboard: bool = setting(False, resumable=True)
     progress_bar: bool = setting(True, commands=COMMANDS, resumable=True)
 

@@ -10,7 +10,7 @@ import torch
 
 from refppo.checks import check_choice, check_same_shape, check_values, value_checks
 from refppo.functional import masked_mean, masked_sum
-from refppo.kl import kl_penalty as kl_penalty_fn
+from refppo.kl import kl_penalty
 from refppo.registry import Registry
 
 LOSS_AGG_MODES = (
@@ -112,6 +112,15 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     return (micro_mask.sum(dim=-1) > 0).sum().to(dtype) / (mini_mask.sum(dim=-1) > 0).sum()
 
 
+POLICY_LOSSES = Registry("policy loss")
+# A policy loss receives, by parameter name, old_log_prob, log_prob, advantages, response_mask,
+# rollout_is_weights (when the actor computes them) and any field of ``actor``; it returns
+# (loss, {metric name: detached scalar}), as verl 0.9's do.
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss_fn = POLICY_LOSSES.get
+
+
+@register_policy_loss("clip")
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -124,8 +133,8 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate loss with asymmetric and dual clipping (verl's vanilla policy loss).
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss with asymmetric and dual clipping (verl 0.9's vanilla policy loss).
 
     ratio = exp(clamp(log_prob - old_log_prob, -20, 20)) and, per token,
     L = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)).
@@ -148,9 +157,10 @@ def compute_policy_loss(
 
     Returns:
         pg_loss: scalar.
-        pg_clipfrac: fraction of valid tokens where the clipped term was active.
-        ppo_kl: masked mean of old_log_prob - log_prob (k1 estimate of KL(old || new)).
-        pg_clipfrac_lower: fraction of valid tokens with A < 0 capped by the dual clip.
+        metrics, detached scalars named as verl logs them: ``actor/pg_clipfrac``, the fraction of
+        valid tokens where the clipped term was active; ``actor/ppo_kl``, the masked mean of
+        old_log_prob - log_prob (k1 estimate of KL(old || new)); ``actor/pg_clipfrac_lower``, the
+        fraction of valid tokens with A < 0 capped by the dual clip.
     """
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -184,109 +194,49 @@ def compute_policy_loss(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()
     pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
-    return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()
+    metrics = {"actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": pg_clipfrac_lower}
+    return pg_loss, {k: v.detach() for k, v in metrics.items()}
 
 
+@register_policy_loss("penalty")
 def compute_ppo_penalty_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    kl_coef: float,
-    kl_penalty: str = "kl",
+    penalty_kl_coef: float,
+    penalty_kl_type: str = "kl",
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-penalty loss: -ratio * A + beta * KL(pi_old || pi_theta), per token (ch 2).
 
     The KL is estimated on the sampled tokens, which come from pi_old, with the chosen
-    estimator (``kl_penalty(old_log_prob, log_prob, ...)``: pi_old is the sampling side).
+    estimator (``kl_penalty(old_log_prob, log_prob, ...)``: pi_old is the sampling side). The
+    settings are ``actor.penalty_kl_coef`` and ``actor.penalty_kl_type``.
 
     Args:
         old_log_prob: (batch, T) log pi_old (no gradient).
         log_prob: (batch, T) log pi_theta (gradient flows).
         advantages: (batch, T).
         response_mask: (batch, T) 0/1.
-        kl_coef: beta >= 0.
-        kl_penalty: KL estimator name (see refppo.kl).
+        penalty_kl_coef: beta >= 0.
+        penalty_kl_type: KL estimator name (see refppo.kl).
         loss_agg_mode, loss_scale_factor: see agg_loss.
 
     Returns:
         loss: scalar.
-        kl: masked mean of the per-token KL estimate (detached), for a beta controller.
+        metrics: ``actor/ppo_kl``, the masked mean of the per-token KL estimate (detached), for a
+        beta controller.
     """
-    if not kl_coef >= 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if not penalty_kl_coef >= 0:
+        raise ValueError(f"penalty_kl_coef must be >= 0, got {penalty_kl_coef}")
     _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     with value_checks(False):  # checked above, at valid tokens: padding may hold anything
-        kl = kl_penalty_fn(old_log_prob.detach(), log_prob, kl_penalty)
-    loss = _agg_loss(-advantages * ratio + kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
-    return loss, masked_mean(kl, response_mask).detach()
-
-
-POLICY_LOSSES = Registry("policy loss")
-# verl's names. A policy loss receives, by parameter name, old_log_prob, log_prob, advantages,
-# response_mask, rollout_is_weights (when the actor computes them) and any field of ``actor``;
-# it returns (loss, {metric name: detached scalar}).
-register_policy_loss = POLICY_LOSSES.register
-get_policy_loss_fn = POLICY_LOSSES.get
-
-
-@register_policy_loss("clip")
-def clip_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio: float,
-    clip_ratio_low: float | None,
-    clip_ratio_high: float | None,
-    clip_ratio_c: float | None,
-    loss_agg_mode: str,
-    rollout_is_weights: torch.Tensor | None = None,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`compute_policy_loss` (all tensors (batch, T)) with its statistics named as verl logs them."""
-    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        clip_ratio,
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        loss_agg_mode,
-        rollout_is_weights,
-        loss_scale_factor,
-    )
-    return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
-
-
-@register_policy_loss("penalty")
-def penalty_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    penalty_kl_coef: float,
-    penalty_kl_type: str,
-    loss_agg_mode: str,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`compute_ppo_penalty_loss` (all tensors (batch, T)); its KL estimate logged as actor/ppo_kl."""
-    loss, kl = compute_ppo_penalty_loss(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        penalty_kl_coef,
-        penalty_kl_type,
-        loss_agg_mode,
-        loss_scale_factor,
-    )
-    return loss, {"actor/ppo_kl": kl}
+        kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)
+    loss = _agg_loss(-advantages * ratio + penalty_kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
+    return loss, {"actor/ppo_kl": masked_mean(kl, response_mask).detach()}
 
 
 def compute_value_loss(

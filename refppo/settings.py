@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from refppo.advantages import ADV_ESTIMATORS
+from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.config import Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.declare import Declaration, Site
 from refppo.losses import POLICY_LOSSES
@@ -177,7 +177,7 @@ def _check_combinations(config: Config) -> None:
         config.reward_model,
     )
     _require(
-        t.critic_warmup < t.total_training_steps,
+        not needs_critic(alg.adv_estimator) or t.critic_warmup < t.total_training_steps,
         f"trainer.critic_warmup={t.critic_warmup} must be < trainer.total_training_steps={t.total_training_steps}: "
         "the actor is updated only after the warm-up",
     )

@@ -348,7 +348,7 @@ class PPOTrainer:
         return batch, self.evaluate(batch, [r for r in records[share] for _ in range(n)], timing)
 
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
-        """Phase 3: the critic's update, then the actor's (after ``trainer.critic_warmup`` steps).
+        """Phase 3: the critic's update, then the actor's (with a critic, after ``trainer.critic_warmup`` steps).
 
         Args:
             batch: an evaluated batch (see :meth:`make_experience`).
@@ -364,7 +364,7 @@ class PPOTrainer:
                 critic_minis = self._minibatch_updates(batch, "critic")
             self.critic.eval()
             self.critic_sched.step()
-        if self.step >= self.config.trainer.critic_warmup:
+        if not self.use_critic or self.step >= self.config.trainer.critic_warmup:
             self.actor.train()
             with timer(timing, "update_actor", self.device):
                 actor_minis = self._minibatch_updates(batch, "actor")

@@ -101,6 +101,10 @@ def test_bad_values():
             r"actor.ppo_micro_batch_size_per_gpu=0 is outside its valid range \[1, inf\) \(or null\)",
         ),
         (["trainer.total_training_steps=5"], "trainer.critic_warmup=5 must be < trainer.total_training_steps=5"),
+        (
+            ["algorithm.adv_estimator=grpo", "rollout.n=2", "trainer.critic_warmup=2"],
+            "trainer.critic_warmup=2 is ignored: .* read only with algorithm.adv_estimator=gae",
+        ),
         (["sft.batch_size=0"], "sft.batch_size=0 is outside"),
         (["sft.steps=0"], "sft.steps=0 is outside"),
         (["sft.lr=nan"], "sft.lr=nan is outside"),
@@ -302,3 +306,9 @@ def test_every_numeric_setting_has_a_valid_range():
 )
 def test_in_range(value, spec, inside):
     assert in_range(value, spec) is inside
+
+
+def test_a_run_without_a_critic_accepts_no_warm_up_and_any_length():
+    # verl's GRPO scripts pass trainer.critic_warmup=0; the default warm-up does not bound the steps.
+    for overrides in (["trainer.critic_warmup=0"], ["trainer.total_training_steps=2"]):
+        validate(apply_overrides(Config(), ["algorithm.adv_estimator=grpo", "rollout.n=2", *overrides]))

@@ -65,7 +65,9 @@ def test_policy_loss_matches_formula(b, mode, clips, clip_c):
     old, new, adv = random_policy_inputs(gen, batch, length)
     eps, lo, hi = clips
     low, high = (eps if lo is None else lo), (eps if hi is None else hi)
-    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(old, new, adv, mask, eps, lo, hi, clip_c, mode)
+    loss, metrics = compute_policy_loss(old, new, adv, mask, eps, lo, hi, clip_c, mode)
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}  # verl 0.9's names
+    clipfrac, ppo_kl, clipfrac_lower = (metrics[f"actor/{k}"] for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"))
     per_token = [
         [ref_policy_token_loss(o, n, a, low, high, clip_c) for o, n, a in zip(*rows)]
         for rows in zip(old.tolist(), new.tolist(), adv.tolist())
@@ -84,16 +86,16 @@ def test_policy_loss_matches_formula(b, mode, clips, clip_c):
 
 def test_worked_example_from_seed_004():
     # old -2.0, new -1.5: ratio exp(0.5) = 1.6487, A = 0.5, eps 0.2 -> max(-0.824, -0.6) = -0.6
-    loss, clipfrac, ppo_kl, _ = compute_policy_loss(
+    loss, metrics = compute_policy_loss(
         torch.tensor([[-2.0]]), torch.tensor([[-1.5]]), torch.tensor([[0.5]]), torch.ones(1, 1), clip_ratio=0.2
     )
     assert loss.item() == pytest.approx(-0.6)
-    assert clipfrac.item() == 1.0 and ppo_kl.item() == pytest.approx(-0.5)
+    assert metrics["actor/pg_clipfrac"].item() == 1.0 and metrics["actor/ppo_kl"].item() == pytest.approx(-0.5)
 
 
 def grad_wrt_log_prob(log_ratio, a, clip_c=3.0, eps=0.2):
     new = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
-    loss, *_ = compute_policy_loss(
+    loss, _ = compute_policy_loss(
         torch.zeros(1, 1, dtype=torch.float64),
         new,
         torch.tensor([[a]], dtype=torch.float64),
@@ -140,9 +142,9 @@ def test_first_step_ratio_one_gives_plain_policy_gradient():
     old = -torch.rand(3, 4, generator=gen, dtype=torch.float64)
     new = old.clone().requires_grad_()
     adv = torch.randn(3, 4, generator=gen, dtype=torch.float64)
-    loss, clipfrac, ppo_kl, _ = compute_policy_loss(old, new, adv, torch.ones(3, 4))
+    loss, metrics = compute_policy_loss(old, new, adv, torch.ones(3, 4))
     loss.backward()
-    assert clipfrac.item() == 0.0 and ppo_kl.item() == 0.0
+    assert metrics["actor/pg_clipfrac"].item() == 0.0 and metrics["actor/ppo_kl"].item() == 0.0
     torch.testing.assert_close(new.grad, -adv / 12)
 
 
@@ -156,7 +158,7 @@ def test_rollout_is_weights_scale_each_token():
         for r in zip(old.tolist(), new.tolist(), adv.tolist())
     ]
     weighted = [[x * wi for x, wi in zip(rb, rw)] for rb, rw in zip(base, w.tolist())]
-    loss, *_ = compute_policy_loss(old, new, adv, mask, rollout_is_weights=w)
+    loss, _ = compute_policy_loss(old, new, adv, mask, rollout_is_weights=w)
     assert loss.item() == pytest.approx(ref_agg(weighted, mask.tolist(), "token-mean"), abs=1e-12)
 
 
@@ -165,7 +167,8 @@ def test_ppo_penalty_loss_matches_formula(b, est):
     gen, batch, length, kind = b
     mask = make_mask(kind, batch, length, gen)
     old, new, adv = random_policy_inputs(gen, batch, length)
-    loss, kl = compute_ppo_penalty_loss(old, new, adv, mask, kl_coef=0.3, kl_penalty=est)
+    loss, metrics = compute_ppo_penalty_loss(old, new, adv, mask, penalty_kl_coef=0.3, penalty_kl_type=est)
+    kl = metrics["actor/ppo_kl"]
 
     def kl_old_new(o, n):  # samples come from pi_old: KL(old || new), ratio r = new / old
         if est == "kl":
@@ -247,7 +250,8 @@ def test_both_policy_losses_ignore_nan_in_padding():
     old = x.clone()
     old[0, 2] = float("nan")
     assert torch.isfinite(compute_policy_loss(old, x, x, m)[0])
-    assert all(torch.isfinite(t) for t in compute_ppo_penalty_loss(old, x, x, m, kl_coef=0.1))
+    loss, metrics = compute_ppo_penalty_loss(old, x, x, m, penalty_kl_coef=0.1)
+    assert torch.isfinite(loss) and torch.isfinite(metrics["actor/ppo_kl"])
 
 
 def test_negative_importance_weights_are_refused():
@@ -279,8 +283,8 @@ def test_loss_bad_input():
         compute_value_loss(x, x, x, m, 0.0)
     with pytest.raises(ValueError, match="clip_ratio_low"):
         compute_policy_loss(x, x, x, m, clip_ratio=1.2)
-    with pytest.raises(ValueError, match="kl_coef"):
-        compute_ppo_penalty_loss(x, x, x, m, kl_coef=-1.0)
+    with pytest.raises(ValueError, match="penalty_kl_coef must be >= 0"):
+        compute_ppo_penalty_loss(x, x, x, m, penalty_kl_coef=-1.0)
 
 
 @given(batches(), st.sampled_from(["ragged", "holes", "with_empty_rows"]), st.integers(1, 4))

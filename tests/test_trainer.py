@@ -173,6 +173,16 @@ def test_critic_warmup_skips_the_actor():
     assert "actor/pg_loss" not in m[0] and "critic/vf_loss" in m[0]
 
 
+def test_without_a_critic_the_actor_is_updated_from_the_first_step():
+    # The default warm-up (5 steps) has nothing to warm up without a critic.
+    trainer = make_trainer(
+        ["algorithm.adv_estimator=grpo", "rollout.n=2"], edit=lambda c: setattr(c.trainer, "critic_warmup", 5)
+    )
+    m = _run(trainer, 1)
+    assert "actor/pg_loss" in m[0]
+    assert trainer.actor_sched.last_epoch == 1  # the actor's optimiser stepped
+
+
 def test_lr_metrics_are_each_updates_own_and_warm_up_starts_at_zero():
     lr = 3e-3  # make_trainer's, for both models
     trainer = make_trainer(
