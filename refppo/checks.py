@@ -58,6 +58,10 @@ def check_choice(kind: str, name: str, valid) -> None:
         raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(valid))}")
 
 
+class NonFiniteError(ValueError):
+    """A tensor that must be finite holds NaN or inf."""
+
+
 def check_values(
     masks: dict[str, torch.Tensor] | None = None,
     finite: dict[str, torch.Tensor] | None = None,
@@ -91,6 +95,7 @@ def check_values(
     for name, t in (finite or {}).items():
         if t.is_floating_point():
             flag_at_valid(f"{name} contains NaN or inf", ~torch.isfinite(t))
+    nonfinite = set(labels[len(masks or {}) :])
     for name, t in (nonnegative or {}).items():
         flag_at_valid(f"{name} has a negative entry", t < 0)
     if min_valid is not None:
@@ -102,4 +107,21 @@ def check_values(
     bad = torch.stack([f.to(flags[0].device) for f in flags]).tolist()  # the one sync
     errors = [label for label, b in zip(labels, bad) if b]
     if errors:
-        raise ValueError("; ".join(errors))
+        raise (NonFiniteError if nonfinite & set(errors) else ValueError)("; ".join(errors))
+
+
+@contextlib.contextmanager
+def broken_by_update(where: str, settings: str, first: bool):
+    """Around a step's first forward passes: NaN or inf there, after an update, means the update
+    broke the model (a learning rate far too large); raise FloatingPointError naming ``where``
+    (the step) and the likely ``settings``. At the ``first`` step the loaded model is at fault:
+    the error stays as it is."""
+    try:
+        yield
+    except NonFiniteError as error:
+        if first:
+            raise
+        raise FloatingPointError(
+            f"{where}: {error}. The last update broke the model: {settings} (or a weight decay) is likely far "
+            "too large; the run stops here, its last checkpoint holds good weights"
+        ) from error

@@ -23,9 +23,10 @@ from refppo.config import COMMANDS, Config, apply_overrides, declarations, get_v
 from refppo.data import sft_examples, task_data
 from refppo.device import resolve_device
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
+from refppo.model_folder import check_model_folder, check_same_tokenizer, check_vocabulary
 from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
 from refppo.prompts import tokenize_records
-from refppo.runs import RunFolder, check_free, check_resume, summary
+from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary, tensorboard_writer
 from refppo.settings import format_value, ignored_message, ignored_settings, read_settings, valid_text, validate
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
@@ -89,6 +90,36 @@ def load_tokenizer(path: str | None):
     return build_tokenizer()
 
 
+def _model_folders(config: Config, command: str) -> list[tuple[str, str]]:
+    """(setting, folder) of each model ``command`` loads, the actor's (``model.path``) first."""
+    folders = [("model.path", config.model.path)]
+    if command == "ppo" and needs_critic(config.algorithm.adv_estimator) and config.critic.model.path:
+        folders.append(("critic.model.path", config.critic.model.path))
+    if command == "ppo" and config.reward_model.enable:
+        folders.append(("reward_model.model.path", config.reward_model.model.path))
+    return [(key, path) for key, path in folders if path is not None]
+
+
+def checked_tokenizer(config: Config, command: str):
+    """Check every model folder ``command`` loads (:func:`refppo.model_folder.check_model_folder`)
+    and return the tokenizer of ``model.path`` (the offline tasks' one without it), refusing one
+    with tokens the models have no embedding for, and a critic or reward model whose own tokenizer
+    differs from it."""
+    folders = _model_folders(config, command)
+    positions = config.data.max_prompt_length + config.data.max_response_length if command == "ppo" else None
+    specs = {
+        key: check_model_folder(path, key, head=None if key != "model.path" else False, positions=positions)
+        for key, path in folders
+    }
+    tokenizer = load_tokenizer(config.model.path)
+    for key, path in folders:
+        if isinstance(specs[key].get("vocab_size"), int):
+            check_vocabulary(tokenizer, specs[key]["vocab_size"], key, path)
+        if key != "model.path" and os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            check_same_tokenizer(tokenizer, load_tokenizer(path), key, path)
+    return tokenizer
+
+
 def _save_model(model, tokenizer, folder: Path, world: World) -> None:
     """``save_pretrained`` of a model and its tokenizer; with several processes the model's shards
     are gathered first and the first process writes."""
@@ -107,7 +138,7 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
     from refppo.accel.logprobs import check_fused_kernels
     from refppo.sft import train_sft
 
-    tokenizer = load_tokenizer(config.model.path)
+    tokenizer = checked_tokenizer(config, "sft")
     m = config.model
     source = m.path or tiny_config(
         tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
@@ -147,7 +178,7 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
         raise ValueError("refppo rm trains on synthetic comparisons: set data.task=preference")
     if config.model.path is None:
         raise ValueError("refppo rm starts from the SFT model: set model.path=<sft run>/model")
-    tokenizer = load_tokenizer(config.model.path)
+    tokenizer = checked_tokenizer(config, "rm")
     torch.manual_seed(config.trainer.seed)
     rm = load_value_model(config.model.path, tokenizer, device)
     if config.model.enable_gradient_checkpointing:
@@ -184,7 +215,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
 
     if config.model.path is None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
-    tokenizer = load_tokenizer(config.model.path)
+    tokenizer = checked_tokenizer(config, "ppo")
     train, val, task_reward = task_data(config, tokenizer)
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device)
@@ -221,6 +252,8 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         extra_reward_fns=extras,
         world=world,
     )
+    if config.trainer.tensorboard:
+        tensorboard_writer()  # installed, before the run folder exists
     run = make_run()
     if run.resume is not None:
         trainer.load_checkpoint(run.resume.folder, run.resume.state)
@@ -231,6 +264,19 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         _save_model(actor, tokenizer, run.path / "actor_adapter", world)
         actor = actor.merge_and_unload()
     _save_model(actor, tokenizer, run.path / "actor", world)
+
+
+def _check_image_path(out: str) -> None:
+    """Refuse an image path matplotlib cannot write: an unknown format, or a missing folder."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(out).suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"-o {out}: unknown image format {suffix!r}; use one of {', '.join(sorted(formats))}")
+    folder = Path(out).parent
+    if not folder.is_dir():
+        raise ValueError(f"-o {out}: no folder {folder}; create it first")
 
 
 def run_plot(argv: list[str]) -> int:
@@ -261,6 +307,7 @@ def run_plot(argv: list[str]) -> int:
         runs[label if sep else Path(spec).name or spec] = folders
     if os.path.exists(args.out) and not args.force:
         raise ValueError(f"{args.out} exists; pass --force to replace it")
+    _check_image_path(args.out)
     fig = plot_runs(runs, args.metric, x=args.x, smooth=args.smooth)  # every check before the write
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
@@ -283,6 +330,8 @@ def entry() -> int:
     process that failed."""
     started, world = [], launched_world()
     try:
+        if sys.argv[1:2] and sys.argv[1] in COMMANDS:
+            check_once(sys.argv[2:])
         return main(on_start=lambda: started.append(True))
     except (ValueError, OSError, ImportError) as error:
         if started or not _raised_by_refppo(error):
@@ -294,6 +343,17 @@ def entry() -> int:
     except Exception as error:
         _name_the_process(world, error)
         raise
+
+
+def check_once(overrides: list[str]) -> None:
+    """Refuse a key given twice on the command line, naming both values (in a Python list of
+    overrides the later one wins, so that a chapter can vary a shared list)."""
+    seen = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if sep and key.strip() in seen:
+            raise ValueError(f"{key.strip()} is given twice ({seen[key.strip()]!r} and {text!r}): keep one")
+        seen[key.strip()] = text
 
 
 def _name_the_process(world: World, error: BaseException) -> None:
@@ -318,7 +378,10 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     asked = bool(argv) and argv[0] in ("-h", "--help")
     if not argv or argv[0] not in COMMANDS:
         out = sys.stdout if asked else sys.stderr
-        print(__doc__, file=out)
+        if argv and not asked:  # a mistyped command: one line, not the whole help
+            print(f"refppo: error: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}, plot", file=out)
+        else:
+            print(__doc__, file=out)
         print(
             f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]   (refppo COMMAND --help: its settings)\n"
             "       refppo plot RUN [RUN ...] -m METRIC -o FILE",
@@ -364,6 +427,7 @@ def _checked_folder(out: str, config: Config):
     """:func:`refppo.runs.check_resume`'s answer for ``out`` (None: a fresh run in a free folder),
     or the error refusing it, to pass to the other processes."""
     try:
+        check_writable(out)
         resume = check_resume(out, config) if config.trainer.resume else None
         if resume is None:
             check_free(out)

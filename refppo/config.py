@@ -47,6 +47,8 @@ DEVICES = ("auto", "cpu", "cuda")
 COMMANDS = ("sft", "rm", "ppo")
 # Numeric ranges in interval notation ("inf)" excludes infinity; NaN is in no range).
 POSITIVE, COUNT, NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
+# Adam's step, up to lr / (1 - beta1) with beta1 < 1 in float64 (a factor below 1e16), must stay a float32
+RATE = "[0, 1e10]"
 
 
 # ---- conditions under which a setting is read (refppo.declare.Needs) ---------------------
@@ -176,8 +178,9 @@ class OptimConfig:
     linear warm-up from 0, then constant, or cosine down to min_lr_ratio x lr at
     trainer.total_training_steps."""
 
-    lr: float = setting(1e-5, NONNEG)
-    weight_decay: float = setting(0.0, NONNEG)  # verl's default is 0.01
+    lr: float = setting(1e-5, RATE)
+    # at most 1: the decoupled decay multiplies the weights by 1 - lr x weight_decay
+    weight_decay: float = setting(0.0, "[0, 1]")  # verl's default is 0.01
     betas: tuple[float, float] = setting((0.9, 0.999), "[0, 1)")
     lr_warmup_steps: int = setting(-1, "-1 or [0, inf)")  # -1: lr_warmup_steps_ratio x trainer.total_training_steps
     lr_warmup_steps_ratio: float = setting(0.0, "[0, 1]", needs=WARMUP_BY_RATIO)
@@ -324,7 +327,8 @@ class TrainerConfig:
     """``trainer.*`` (verl's ``trainer.*``): steps, device, the run folder, checkpoints and evaluation."""
 
     total_training_steps: int = setting(1500, COUNT, resumable=True)
-    seed: int = setting(0, NONNEG, commands=COMMANDS)
+    # below 2**32 as numpy's seeds: refppo derives further seeds from it by adding offsets
+    seed: int = setting(0, "[0, 4294967295]", commands=COMMANDS)
     device: str = setting("auto", DEVICES, commands=COMMANDS, resumable=True)
     output_dir: str = setting("runs/ppo", commands=COMMANDS, resumable=True)  # the run folder
     # steps between checkpoints (and one at the end); -1: only at the end
@@ -347,7 +351,7 @@ class SFTConfig:
 
     steps: int = setting(600, COUNT)
     batch_size: int = setting(64, COUNT)
-    lr: float = setting(1e-3, POSITIVE)
+    lr: float = setting(1e-3, "(0, 1e10]")
     n_examples: int | None = setting(None, COUNT)  # training examples used; None: all
     # arithmetic: share of carry problems the teacher gets wrong (forgets the carry); 0 is perfect
     teacher_carry_error: float = setting(0.75, "[0, 1]", needs=ARITHMETIC)
@@ -359,7 +363,7 @@ class RMConfig:
 
     steps: int = setting(400, COUNT)
     batch_size: int = setting(64, COUNT)
-    lr: float = setting(3e-4, POSITIVE)
+    lr: float = setting(3e-4, "(0, 1e10]")
     n_pairs: int = setting(2000, COUNT)
     center: bool = setting(True)  # shift the head's bias so SFT samples score 0 on average
 

@@ -75,7 +75,11 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
             import pandas as pd
         except ImportError:
             raise ImportError("reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
-        located = [(f"{path}: row {n}", rec) for n, rec in enumerate(pd.read_parquet(path).to_dict("records"), 1)]
+        try:
+            table = pd.read_parquet(path)
+        except (ValueError, OSError) as e:  # pyarrow's errors for a foreign or damaged file derive from these
+            raise ValueError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+        located = [(f"{path}: row {n}", rec) for n, rec in enumerate(table.to_dict("records"), 1)]
     else:
         located = []
         with open(path, "rb") as f:
@@ -88,6 +92,8 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
                     raise ValueError(f"{path}:{n} is not UTF-8 text") from None
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise ValueError(f"{path}:{n} is nested too deeply to read") from None
     if not located:
         raise ValueError(f"{path} holds no records")
     for where, rec in located:

@@ -157,6 +157,9 @@ def apply_overrides(config, overrides: list[str]):
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown config key {key!r}{hint}")
         owner, name = owner_of(config, key)
+        if not text.strip():  # an empty path or name would be taken as "here" or "none" silently
+            null = " (or null)" if is_optional(config, key) else ""
+            raise ValueError(f"{key}= has no value: give one{null}, or drop {key}")
         setattr(owner, name, _parse(text.strip(), typing.get_type_hints(type(owner))[name], key))
     return config
 

@@ -25,6 +25,7 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = sorted_logits.softmax(dim=-1)
         # Keep a token while the mass before it is below top_p: the smallest set reaching top_p.
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop_sorted[:, 0] = False  # the most likely token always stays (a top_p below float32's range is 0)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled

@@ -4,6 +4,7 @@ one, and checking that it returns one finite number per response."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -18,8 +19,9 @@ def load_reward_fn(spec: str):
     """Import ``package.module:function``, looking in the working directory too (as ``python -m``
     does)."""
     module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"reward_model.reward_fn={spec!r} must look like package.module:function")
+    form = "must look like package.module:function, a function taking (prompts, responses, records)"
+    if not (sep and module and name) or module.startswith("."):  # a relative name has no package to start from
+        raise ValueError(f"reward_model.reward_fn={spec!r} {form}")
     if os.getcwd() not in sys.path and "" not in sys.path:  # the refppo script, unlike python -m, lacks it
         sys.path.insert(0, os.getcwd())
     try:
@@ -31,6 +33,13 @@ def load_reward_fn(spec: str):
     fn = getattr(imported, name, None)
     if not callable(fn):
         raise ValueError(f"reward_model.reward_fn={spec!r}: {module} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind([], [], [])
+    except TypeError as error:
+        call = "fn(prompts, responses, records)"
+        raise ValueError(f"reward_model.reward_fn={spec!r} cannot be called as {call}: {error}") from None
+    except ValueError:  # a builtin without a signature: called as it is
+        pass
     return fn
 
 

@@ -101,10 +101,25 @@ def holds_run(path: str | os.PathLike) -> bool:
     return path.is_dir() and any(path.iterdir())
 
 
+def check_writable(path: str | os.PathLike) -> None:
+    """Raise OSError naming the path unless a run can be written at ``path``: its nearest existing
+    folder (itself, or the parent to create it in) is a writable folder, and a ``latest`` in it is
+    a file."""
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"trainer.output_dir={str(path)!r}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"trainer.output_dir={str(path)!r}: cannot write in {existing}")
+    if (path / "latest").is_dir():
+        raise IsADirectoryError(
+            f"trainer.output_dir={str(path)!r}: its latest is a folder; refppo writes the last checkpoint's step "
+            "there: move it away"
+        )
+
+
 def check_free(path: str | os.PathLike) -> None:
-    """Raise FileExistsError if ``path`` already holds a run (a non-empty folder) or is a file."""
-    if os.path.isfile(path):
-        raise FileExistsError(f"trainer.output_dir={str(path)!r} is a file, not a run folder")
+    """Raise FileExistsError if ``path`` already holds a run (a non-empty folder)."""
     if holds_run(path):
         raise FileExistsError(
             f"run folder {str(path)!r} already holds a run; pick a new trainer.output_dir "
@@ -172,9 +187,12 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
     if not holds_run(path):
         return None
     try:
-        saved = flatten(json.loads((path / "config.json").read_text()))
+        saved = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot resume {str(path)!r}: its config.json is unreadable ({e})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"cannot resume {str(path)!r}: its config.json holds a {type(saved).__name__}, not settings")
+    saved = flatten(saved)
     new = flatten(json.loads(_config_json(config)))  # through JSON, as saved: tuples become lists
     saved, new = _critic_resolved(saved), _critic_resolved(new)
     free = resumable_settings(config)
@@ -198,6 +216,17 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
         except Exception as e:  # torch raises many kinds for a truncated or foreign file
             notes.append(f"{folder.name} does not load ({type(e).__name__}: {e}); left in place")
             continue
+        total = config.trainer.total_training_steps
+        if step > total:
+            raise ValueError(
+                f"cannot resume {str(path)!r}: its checkpoint is at step {step}, beyond "
+                f"trainer.total_training_steps={total}. Nothing was changed; ask for at least {step} steps"
+            )
+        if not (path / "metrics.jsonl").is_file():
+            raise ValueError(
+                f"cannot resume {str(path)!r}: its metrics.jsonl is missing, so the log of steps 1-{step} "
+                "would be lost. Nothing was changed; restore the file, or start a new run"
+            )
         return Resume(step, state, _metrics_until(path / "metrics.jsonl", step, notes), notes, folder)
     raise ValueError(
         f"cannot resume {str(path)!r}: it holds no checkpoint that loads ({'; '.join(notes) or 'none saved yet'}). "
@@ -212,11 +241,14 @@ def _read_log(file: Path) -> tuple[list[tuple[str, dict]], bool]:
     pairs = []
     for n, line in enumerate(lines, 1):
         try:
-            pairs.append((line, json.loads(line)))
+            record = json.loads(line)
         except ValueError:
             if n < len(lines):
                 raise ValueError(f"{file}:{n} is not a JSON line") from None
             return pairs, True
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{file}:{n} is not a metrics record (a JSON object with an integer step)")
+        pairs.append((line, record))
     return pairs, False
 
 
@@ -226,6 +258,16 @@ def _metrics_until(path: Path, step: int, notes: list[str]) -> list[str]:
     if torn:
         notes.append(f"the torn last line of {path.name} was dropped")
     return [line + "\n" for line, record in pairs if record["step"] <= step]
+
+
+def tensorboard_writer():
+    """TensorBoard's ``SummaryWriter`` class; ImportError with the fix when it is not installed
+    (checked before the run folder is made)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError("trainer.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter
 
 
 class RunFolder:
@@ -267,15 +309,8 @@ class RunFolder:
 
     def enable_tensorboard(self) -> None:
         """Also write every metric to TensorBoard event files under ``tensorboard/``."""
-        if not self.world.main:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ImportError(
-                "trainer.tensorboard=true needs the tensorboard package: pip install tensorboard"
-            ) from None
-        self.tensorboard = SummaryWriter(str(self.path / "tensorboard"))
+        if self.world.main:
+            self.tensorboard = tensorboard_writer()(str(self.path / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one JSON line ``{"step": step, **metrics}`` (non-finite values as null)."""

@@ -10,6 +10,7 @@ from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.config import Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.declare import Declaration, Site
 from refppo.losses import POLICY_LOSSES
+from refppo.tasks import arithmetic
 
 
 def defaults_like(config):
@@ -166,8 +167,43 @@ def _check_batches(config: Config) -> None:
         )
 
 
+def _check_task_size(d) -> None:
+    """The arithmetic task has (MAX_OPERAND + 1)^2 problems: the held-out ones leave a batch to train on."""
+    if d.task != "arithmetic":
+        return
+    problems = (arithmetic.MAX_OPERAND + 1) ** 2
+    _require(
+        d.val_size <= problems - d.train_batch_size,
+        f"data.val_size={d.val_size} holds out too many of the arithmetic task's {problems} problems: "
+        f"data.train_batch_size={d.train_batch_size} must remain to train on",
+    )
+
+
+def _check_tiny_model(m) -> None:
+    """The shape of a fresh tiny model (``model.path`` unset) as transformers can build it: whole
+    heads, key-value heads shared by equal groups of query heads, an even head size for RoPE."""
+    if m.path is not None:
+        return
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"model.hidden_size={m.hidden_size} must be a multiple of model.num_attention_heads={m.num_attention_heads}",
+    )
+    _require(
+        m.num_attention_heads % m.num_key_value_heads == 0,
+        f"model.num_key_value_heads={m.num_key_value_heads} must divide "
+        f"model.num_attention_heads={m.num_attention_heads} (each shared by a group of query heads)",
+    )
+    head = m.hidden_size // m.num_attention_heads
+    _require(
+        head % 2 == 0,
+        f"model.hidden_size / model.num_attention_heads = {head} must be even (rotary embeddings rotate pairs)",
+    )
+
+
 def _check_combinations(config: Config) -> None:
     """Settings each valid alone that cannot work together."""
+    _check_tiny_model(config.model)
+    _check_task_size(config.data)
     d, a, r, alg, t, rm = (
         config.data,
         config.actor,
@@ -218,6 +254,11 @@ def validate(config: Config, command: str = "ppo") -> Config:
     (an option is refused, never silently ignored).
     """
     _check_values(config)
+    _require(
+        command != "sft" or config.data.task != "file",
+        "refppo sft trains on the demonstrations of an offline task: set data.task=arithmetic or preference "
+        "(data.task=file is for refppo ppo)",
+    )
     _check_combinations(config)
     _check_batches(config)
     default = defaults_like(config)

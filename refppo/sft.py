@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from refppo.checks import broken_by_update
 from refppo.data import EpochSampler
 from refppo.distributed import SINGLE, World, all_sum, sum_stats, take_share
 from refppo.forward import LogProbsFn, response_log_probs
@@ -119,7 +120,8 @@ def train_steps(
     bar = tqdm(range(1, steps + 1), desc=desc, disable=not (progress_bar and world.main))
     for step in bar:
         lr = optimizer.param_groups[0]["lr"]
-        loss, metrics, count = step_loss(take_share(sampler.next_batch(), world))
+        with broken_by_update(f"{desc} step {step}", f"{desc}.lr", step == 1):
+            loss, metrics, count = step_loss(take_share(sampler.next_batch(), world))
         share = count / all_sum(count, world)  # 1 with one process
         metrics = sum_stats({k: v * share for k, v in metrics.items()}, world) | {f"{desc}/lr": lr}
         optimizer.zero_grad(set_to_none=True)

@@ -4,10 +4,9 @@
 2. Evaluate: scores (reward model or rule), reference and old log-probs, values, token-level
    rewards (KL in the reward when ``algorithm.use_kl_in_reward``), advantages.
 3. Update: ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a
-   row count, or of a token budget with ``use_dynamic_bsz``) for the critic and the actor, each
-   with its own optimiser, gradient clipping and LR schedule. The rows are reshuffled every epoch,
-   as textbook PPO does; verl cuts its batch in order (after reordering it by length to balance
-   its GPUs), the same every epoch.
+   row count, or of a token budget with ``use_dynamic_bsz``) for the critic and the actor, each with
+   its own optimiser, gradient clipping and LR schedule. Rows are reshuffled every epoch, as textbook
+   PPO does; verl cuts its batch in order (reordered by length to balance its GPUs) every epoch.
 
 The batch of a step: generate gives the keys listed in :mod:`refppo.prompts` and
 :func:`refppo.generation.generate`; evaluate adds, all (B, R) float32 and 0 after the response
@@ -36,7 +35,7 @@ import torch
 
 from refppo import accel, distributed
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
-from refppo.checks import check_values, value_checks
+from refppo.checks import broken_by_update, check_values, value_checks
 from refppo.config import Config, critic_setting
 from refppo.data import EpochSampler
 from refppo.distributed import SINGLE, World
@@ -379,7 +378,8 @@ class PPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        batch, stats = self.make_experience(self.sampler.next_batch(), timing)  # phases 1 and 2
+        with broken_by_update(f"step {self.step + 1}", "actor.optim.lr or critic.optim.lr", self.step == 0):
+            batch, stats = self.make_experience(self.sampler.next_batch(), timing)  # phases 1 and 2
         critic_minis, actor_minis = self.update(batch, timing)  # phase 3
         with value_checks(False):  # the batch was checked before the updates
             metrics = gather(

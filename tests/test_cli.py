@@ -210,6 +210,18 @@ def returns_none(prompts, responses, records):
             "has no function 'nothing'",
         ),
         (["data.train_files={good}", "reward_model.reward_fn=nocolon"], ValueError, "package.module:function"),
+        (["data.train_files={good}", "reward_model.reward_fn=:fn"], ValueError, "package.module:function, a function"),
+        (["data.train_files={good}", "reward_model.reward_fn=.relative:fn"], ValueError, "package.module:function"),
+        (
+            ["data.train_files={good}", "reward_model.reward_fn=test_cli:takes_one"],
+            ValueError,
+            r"test_cli:takes_one' cannot be called as fn\(prompts, responses, records\): too many positional",
+        ),
+        (
+            ["data.train_files={good}", "reward_model.reward_fn=test_cli:keyword_only"],
+            ValueError,
+            "test_cli:keyword_only' cannot be called as fn",
+        ),
         (["data.train_files={good}"], ValueError, "needs reward_model.reward_fn"),
     ],
 )
@@ -382,7 +394,7 @@ def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_bac
     expected.trainer.output_dir = f"runs/{command}"
     assert apply_overrides(Config(), settings) == expected  # each line is the default, as an override
     valid = {row[0].partition("=")[0]: " ".join(row[1:]) for row in rows}
-    assert valid["trainer.device"] == "auto | cpu | cuda" and valid["trainer.seed"] == "[0, inf)"
+    assert valid["trainer.device"] == "auto | cpu | cuda" and valid["trainer.seed"] == "[0, 4294967295]"
     if command == "ppo":
         # Registered estimators are valid too (test_registry.py adds some when it is imported).
         assert (
@@ -426,11 +438,32 @@ def test_bad_config_and_paths(tmp_path, capsys):
         main(["ppo", "actor.clip_ration=0.1", f"trainer.output_dir={out}"])
     with pytest.raises(ValueError, match="set model.path"):
         main(["ppo", f"trainer.output_dir={out}"])
-    with pytest.raises(FileNotFoundError, match="no model folder"):
+    with pytest.raises(ValueError, match="missing: no such folder"):
         main(["ppo", f"model.path={tmp_path}/missing", f"trainer.output_dir={out}"])
+    with pytest.raises(ValueError, match=r"trainer.output_dir= has no value: give one, or drop trainer.output_dir"):
+        main(["ppo", f"model.path={tmp_path}", "trainer.output_dir="])
+    with pytest.raises(ValueError, match=r"critic.model.path= has no value: give one \(or null\)"):
+        main(["ppo", f"model.path={tmp_path}", "critic.model.path= ", f"trainer.output_dir={out}"])
     assert not out.exists()
     assert main([]) == 2
     assert main(["--help"]) == 0 and "refppo COMMAND --help" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="refppo sft trains on the demonstrations of an offline task"):
+        main(["sft", "data.task=file", f"trainer.output_dir={out}"])
+    assert main(["PPO"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("refppo: error: unknown command 'PPO'; commands: sft, rm, ppo, plot\nusage:"), err
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path, monkeypatch, capsys):
+    from refppo.cli import entry
+
+    out = tmp_path / "run"
+    argv = ["refppo", "ppo", "actor.optim.lr=1e-4", f"trainer.output_dir={out}", "actor.optim.lr=2e-4"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert entry() == 2
+    err = capsys.readouterr().err
+    assert err == "refppo: error: actor.optim.lr is given twice ('1e-4' and '2e-4'): keep one\n"
+    assert not out.exists()
 
 
 def test_python_dash_m_entry_point(tmp_path):
@@ -447,6 +480,14 @@ def test_python_dash_m_entry_point(tmp_path):
         result.stderr == "refppo: error: unknown config key 'actor.clip_ration'; did you mean actor.clip_ratio, "
         "actor.clip_ratio_c, actor.clip_ratio_low?\n"
     )
+
+
+def takes_one(prompts):
+    return [0.0] * len(prompts)
+
+
+def keyword_only(*, prompts, responses, records):
+    return [0.0] * len(prompts)
 
 
 def raises_itself(prompts, responses, records):
@@ -527,3 +568,21 @@ def test_a_reward_module_in_the_working_directory_is_found(tmp_path):
     result = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[1.0, 1.0]"
+
+
+def test_a_missing_optional_package_is_named_before_the_run_folder_exists(sft_run, tmp_path, monkeypatch, capsys):
+    from refppo.cli import entry
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    out = tmp_path / "run"
+    argv = ["refppo", "ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "trainer.tensorboard=true"]
+    monkeypatch.setattr(sys, "argv", [*argv, *QUICK_PPO])
+    assert entry() == 2
+    err = capsys.readouterr().err
+    assert err == "refppo: error: trainer.tensorboard=true needs the tensorboard package: pip install tensorboard\n"
+    assert not out.exists()
+
+
+def test_an_sft_learning_rate_that_breaks_the_weights_stops_at_its_step(tmp_path):
+    with pytest.raises(FloatingPointError, match="sft step 2: .*contains NaN or inf.*sft.lr"):
+        main(["sft", f"trainer.output_dir={tmp_path}/run", "sft.steps=2", "sft.batch_size=4", "sft.lr=1e10", *TINY])

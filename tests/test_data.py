@@ -67,3 +67,20 @@ def test_chat_prompts_are_checked_at_load_time(tmp_path):
         ValueError, match=f"chats.jsonl:1: the prompt has {n} tokens, more than data.max_prompt_length={n - 1}"
     ):
         load_records(path, "prompt", tok, n - 1)
+
+
+def test_damaged_files_are_refused_in_one_line_naming_them(tmp_path):
+    import pandas as pd
+
+    (tmp_path / "json.parquet").write_text('{"prompt": "1+1="}\n')
+    pd.DataFrame([{"prompt": "1+1="}] * 50).to_parquet(tmp_path / "cut.parquet")
+    cut = (tmp_path / "cut.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(cut[: len(cut) // 2])
+    (tmp_path / "deep.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    for name, message in [
+        ("json.parquet", "json.parquet is not a readable Parquet file"),
+        ("cut.parquet", "cut.parquet is not a readable Parquet file"),
+        ("deep.jsonl", "deep.jsonl:2 is nested too deeply to read"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_records(str(tmp_path / name), "prompt")

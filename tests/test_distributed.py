@@ -93,7 +93,9 @@ def workdir(tmp_path_factory):
 
 def launch(workdir, command, overrides, processes, env=None, check=True, torchrun=False):
     """Run ``refppo <command>`` in ``workdir`` with 1 process (python -m) or several (torchrun;
-    also one with ``torchrun``)."""
+    also one with ``torchrun``). A key given twice in ``overrides`` takes its last value, as in
+    Python (the command line refuses it)."""
+    overrides = [f"{k}={v}" for k, v in dict(o.split("=", 1) for o in overrides).items()]
     if processes == 1 and not torchrun:
         head = [sys.executable, "-m", "refppo"]
     else:

@@ -118,7 +118,7 @@ def test_sampling_filters_match_a_plain_reference():
     torch.manual_seed(0)
     logits = torch.randn(6, 40)
     gen = torch.Generator().manual_seed(0)
-    for top_k, top_p in [(5, 1.0), (-1, 0.6), (10, 0.5), (1, 1.0)]:
+    for top_k, top_p in [(5, 1.0), (-1, 0.6), (10, 0.5), (1, 1.0), (-1, 1e-300)]:
         probs = (logits.double() / 0.8).softmax(-1)
         allowed = []
         for row in probs:

@@ -95,3 +95,12 @@ def test_cli_plot_writes_an_image_and_never_replaces_one_unasked(tmp_path, capsy
     assert out.read_bytes() == before and not (tmp_path / "new.png").exists()
     assert main(["plot", str(a), "-m", "val/score", "-o", str(out), "--force", "--x", "time"]) == 0
     assert out.read_bytes() != before
+
+
+def test_cli_plot_refuses_an_image_path_it_cannot_write(tmp_path):
+    a = _folder(tmp_path, "a", _history(0))
+    with pytest.raises(ValueError, match=r"-o .*out.xyz: unknown image format 'xyz'; use one of .*png"):
+        main(["plot", str(a), "-m", "val/score", "-o", str(tmp_path / "out.xyz")])
+    with pytest.raises(ValueError, match=r"-o .*missing/dir/x.png: no folder .*missing/dir; create it first"):
+        main(["plot", str(a), "-m", "val/score", "-o", str(tmp_path / "missing" / "dir" / "x.png")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]

@@ -114,6 +114,36 @@ def test_a_torn_last_log_line_is_dropped_and_other_damage_refused(tmp_path):
     assert _snapshot(tmp_path / "r") == before
 
 
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("fewer steps", "its checkpoint is at step 6, beyond trainer.total_training_steps=5"),
+        ("log missing", "its metrics.jsonl is missing, so the log of steps 1-6 would be lost"),
+        ("line without step", r"metrics.jsonl:2 is not a metrics record \(a JSON object with an integer step\)"),
+        ("line not an object", r"metrics.jsonl:3 is not a metrics record"),
+        ("config a list", "its config.json holds a list, not settings"),
+    ],
+)
+def test_a_resume_that_would_lose_or_misread_work_is_refused_before_any_write(tmp_path, damage, message):
+    _saved_run(tmp_path / "r")
+    log, lines = tmp_path / "r" / "metrics.jsonl", (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    config = Config()
+    if damage == "fewer steps":
+        config = apply_overrides(Config(), ["trainer.total_training_steps=5"])
+    elif damage == "log missing":
+        log.unlink()
+    elif damage == "line without step":
+        log.write_text("\n".join([lines[0], '{"score": 1.0}', *lines[1:]]) + "\n")
+    elif damage == "line not an object":
+        log.write_text("\n".join([*lines[:2], "[1, 2]", *lines[2:]]) + "\n")
+    else:
+        (tmp_path / "r" / "config.json").write_text("[]")
+    before = _snapshot(tmp_path / "r")
+    with pytest.raises(ValueError, match=message):
+        check_resume(tmp_path / "r", config)
+    assert _snapshot(tmp_path / "r") == before
+
+
 def test_a_resume_with_changed_settings_is_refused_before_any_write(tmp_path):
     _saved_run(tmp_path / "r")
     before = _snapshot(tmp_path / "r")
@@ -184,12 +214,33 @@ def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
     assert _snapshot(tmp_path / "r") == before
     assert check_resume(tmp_path / "empty", Config()) is None  # nothing there: a fresh start
     (tmp_path / "a_file").write_text("mine")
-    with pytest.raises(FileExistsError, match="is a file, not a run folder"):
+    with pytest.raises(NotADirectoryError, match="a_file is a file, not a folder"):
         main(["sft", f"trainer.output_dir={tmp_path / 'a_file'}"])
+    with pytest.raises(NotADirectoryError, match="a_file is a file, not a folder"):
+        main(["sft", f"trainer.output_dir={tmp_path / 'a_file' / 'run'}"])
     assert (tmp_path / "a_file").read_text() == "mine"
     with pytest.raises(ValueError, match=r"refppo sft does not read trainer.resume \(it saves no checkpoints\)"):
         main(["sft", "trainer.resume=true", f"trainer.output_dir={tmp_path / 'r'}"])
     assert _snapshot(tmp_path / "r") == before
+
+
+def test_a_run_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    import refppo.runs
+
+    run = _saved_run(tmp_path / "r")
+    (tmp_path / "r" / "latest").unlink()
+    (tmp_path / "r" / "latest").mkdir()
+    before = _snapshot(tmp_path / "r")
+    with pytest.raises(IsADirectoryError, match="its latest is a folder"):
+        main(["ppo", "trainer.resume=true", f"trainer.output_dir={run.path}", f"model.path={tmp_path}"])
+    assert _snapshot(tmp_path / "r") == before
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(refppo.runs.os, "access", lambda p, mode: Path(p) != locked and real(p, mode))
+    with pytest.raises(PermissionError, match=f"cannot write in {locked}"):
+        main(["sft", f"trainer.output_dir={locked / 'new' / 'run'}"])
+    assert list(locked.iterdir()) == []
 
 
 def test_a_full_disk_keeps_the_last_good_checkpoint(tmp_path):

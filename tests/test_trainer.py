@@ -415,3 +415,11 @@ def test_the_progress_bar_shows_the_kl_to_the_reference_when_one_is_computed():
     fields = bar_fields(both)
     assert list(fields) == ["score", "ref_kl", "kl_loss", "ppo_kl", "step_s"]
     assert fields["ref_kl"] == f"{both['actor/reward_kl_penalty']:.4g}"
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_an_update_that_breaks_the_model_stops_the_run_naming_step_and_setting(role):
+    trainer = make_trainer([f"{role}.optim.lr=1e10"])  # finite weights, but the next forward passes overflow
+    trainer.train_step()
+    with pytest.raises(FloatingPointError, match=f"step 2: .*contains NaN or inf.*{role}.optim.lr"):
+        trainer.train_step()

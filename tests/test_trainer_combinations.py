@@ -66,7 +66,7 @@ def configs(draw) -> tuple[list[str], int]:
     loss = draw(st.sampled_from(LOSSES))
     weighted = POLICY_LOSSES.takes(loss, "rollout_is_weights")  # what rollout_correction needs
     mode = draw(st.sampled_from(["decoupled", "bypass", *(["rollout_correction"] if weighted else [])]))
-    warmup = draw(st.sampled_from([0, 1]))
+    warmup = draw(st.sampled_from([0, 1])) if estimator == "gae" else 0  # a warm-up is for a critic
     overrides = [
         f"algorithm.adv_estimator={estimator}",
         f"rollout.n={n}",

@@ -45,7 +45,12 @@ class Problem:
         return str((self.a // 10 + self.b // 10) * 10 + (self.a + self.b) % 10)
 
 
-def make_problems(max_operand: int = 49, n_heldout: int = 200, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+MAX_OPERAND = 49  # the task's problems: a+b with 0 <= a, b <= MAX_OPERAND
+
+
+def make_problems(
+    max_operand: int = MAX_OPERAND, n_heldout: int = 200, seed: int = 0
+) -> tuple[list[Problem], list[Problem]]:
     """All problems a+b with 0 <= a, b <= max_operand, split into (train, held-out).
 
     Args:

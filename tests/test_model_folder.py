@@ -1,0 +1,143 @@
+"""Model folders checked before loading (refppo.model_folder, through refppo.cli)."""
+
+import json
+import re
+import shutil
+import sys
+
+import pytest
+from test_cli import QUICK_PPO, TINY
+from transformers import AutoTokenizer
+
+from refppo.cli import entry, main
+from refppo.model_folder import check_model_folder
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "sft"
+    assert main(["sft", f"trainer.output_dir={out}", "sft.steps=1", "sft.batch_size=4", *TINY]) == 0
+    return out
+
+
+def _copy(sft_run, tmp_path, name="m"):
+    folder = tmp_path / name
+    shutil.copytree(sft_run / "model", folder)
+    return folder
+
+
+def _edit_config(folder, **fields):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | fields))
+
+
+def _truncate(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _other_tokenizer(folder):
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(folder)
+
+
+def _checkpoint(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")
+    return step
+
+
+# (how to make the folder from a copy of the SFT model, the setting, the message)
+BAD = {
+    "missing": (lambda f: shutil.rmtree(f), "model.path", "no such folder"),
+    "a file": (lambda f: (shutil.rmtree(f), f.write_text("x")), "model.path", "is a file, not a model folder"),
+    "empty": (lambda f: (shutil.rmtree(f), f.mkdir()), "model.path", "holds no config.json"),
+    "no weights": (lambda f: (f / "model.safetensors").unlink(), "model.path", "holds a config but no weights"),
+    "truncated": (_truncate, "model.path", r"model.safetensors is truncated: \d+ bytes of the \d+"),
+    "garbage": (
+        lambda f: (f / "model.safetensors").write_bytes(b"not a tensor file at all"),
+        "model.path",
+        "model.safetensors is not a safetensors file",
+    ),
+    "bad json": (lambda f: (f / "config.json").write_text("{"), "model.path", "config.json is not valid JSON"),
+    "not a model config": (
+        lambda f: (f / "config.json").write_text('{"steps": 3}'),
+        "model.path",
+        "config.json is not a transformers model config",
+    ),
+    "reward model as actor": (
+        lambda f: _edit_config(f, architectures=["LlamaForTokenClassification"]),
+        "model.path",
+        "holds a scalar-head model \\(LlamaForTokenClassification\\), not a language model",
+    ),
+    "small vocabulary": (
+        lambda f: _edit_config(f, vocab_size=10),
+        "model.path",
+        r"the tokenizer has \d+ tokens but the model only 10 embedding rows",
+    ),
+    "few positions": (
+        lambda f: _edit_config(f, max_position_embeddings=8),
+        "model.path",
+        "the model has 8 positions, fewer than the 20 of data.max_prompt_length",
+    ),
+    "critic with another tokenizer": (_other_tokenizer, "critic.model.path", "its tokenizer differs from model.path's"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_wrong_model_folder_is_refused_in_one_line_before_any_write(case, sft_run, tmp_path, capsys, monkeypatch):
+    make, key, message = BAD[case]
+    folder = _copy(sft_run, tmp_path)
+    make(folder)
+    model = folder if key == "model.path" else sft_run / "model"
+    out = tmp_path / "run"
+    extra = [f"{key}={folder}"] if key != "model.path" else []
+    monkeypatch.setattr(
+        sys, "argv", ["refppo", "ppo", f"model.path={model}", f"trainer.output_dir={out}", *QUICK_PPO, *extra]
+    )
+    assert entry() == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"refppo: error: {key}={folder}: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not out.exists()
+
+
+def test_a_run_or_checkpoint_folder_names_the_model_or_the_resume(sft_run, tmp_path):
+    with pytest.raises(ValueError, match=f"it is a refppo run folder: its model is {sft_run / 'model'}"):
+        check_model_folder(sft_run, "model.path")
+    step = _checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=f"resume it with trainer.resume=true trainer.output_dir={tmp_path / 'run'}"):
+        check_model_folder(step, "model.path")
+    with pytest.raises(ValueError, match="resume it"):
+        check_model_folder(tmp_path / "run", "model.path")
+
+
+def test_an_unreadable_file_is_named(sft_run, tmp_path, monkeypatch):
+    import refppo.model_folder as mf
+
+    folder = _copy(sft_run, tmp_path)
+    monkeypatch.setattr(mf.os, "access", lambda p, mode: not str(p).endswith("model.safetensors"))
+    with pytest.raises(ValueError, match="cannot read model.safetensors"):
+        check_model_folder(folder, "model.path")
+
+
+def test_a_sharded_checkpoint_is_checked_shard_by_shard(sft_run, tmp_path):
+    folder = _copy(sft_run, tmp_path)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors is missing"):
+        check_model_folder(folder, "model.path")
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not a shard index"):
+        check_model_folder(folder, "model.path")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(folder / "model-00001-of-00002.safetensors", folder / "model-00002-of-00002.safetensors")
+    assert check_model_folder(folder, "model.path")["model_type"] == "llama"
+
+
+def test_a_good_folder_passes_and_gives_its_config(sft_run):
+    config = check_model_folder(sft_run / "model", "model.path", head=False, positions=20)
+    assert config["model_type"] == "llama" and config["max_position_embeddings"] >= 20
