@@ -379,18 +379,19 @@ def load_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def summary(path: str | os.PathLike) -> str:
-    """A few lines on a finished run, from its folder: the steps, the held-out score (first,
-    last, best), the last losses and KLs, the time and where the files are."""
+    """A few lines on a finished run, from its folder: the steps, the held-out scores (first,
+    last, best; ``val/gold`` too where logged), the last losses and KLs, the time and where the files are."""
     path = Path(path)
     rows = load_metrics(path)
     lines = [f"run {path}: {rows[-1]['step'] if rows else 0} steps"]
-    val = [(r["step"], r["val/score"]) for r in rows if r.get("val/score") is not None]
-    if val:
-        best = max(val, key=lambda sv: sv[1])
-        lines.append(
-            f"  val/score: first {val[0][1]:.4g} (step {val[0][0]}), last {val[-1][1]:.4g} (step {val[-1][0]}), best "
-            f"{best[1]:.4g} (step {best[0]})"
-        )
+    for key in ("val/score", "val/gold"):  # the trained score, and the hidden one beside a reward model
+        val = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if val:
+            best = max(val, key=lambda sv: sv[1])
+            lines.append(
+                f"  {key}: first {val[0][1]:.4g} (step {val[0][0]}), last {val[-1][1]:.4g} (step {val[-1][0]}), "
+                f"best {best[1]:.4g} (step {best[0]})"
+            )
     last = {}
     for r in rows:
         last |= {k: v for k, v in r.items() if v is not None}

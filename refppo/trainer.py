@@ -356,20 +356,20 @@ class PPOTrainer:
         Returns:
             (critic stats, actor stats): one dict of detached scalars per mini-batch update.
         """
-        critic_minis, actor_minis = [], []
-        if self.use_critic:
-            self.critic.train()
-            with timer(timing, "update_critic", self.device):
-                critic_minis = self._minibatch_updates(batch, "critic")
-            self.critic.eval()
-            self.critic_sched.step()
-        if not self.use_critic or self.step >= self.config.trainer.critic_warmup:
-            self.actor.train()
-            with timer(timing, "update_actor", self.device):
-                actor_minis = self._minibatch_updates(batch, "actor")
-            self.actor.eval()
-            self.actor_sched.step()
-        return critic_minis, actor_minis
+        critic_minis = self._update_role(batch, "critic", timing) if self.use_critic else []
+        warm = not self.use_critic or self.step >= self.config.trainer.critic_warmup
+        return critic_minis, self._update_role(batch, "actor", timing) if warm else []
+
+    def _update_role(self, batch: dict[str, torch.Tensor], role: str, timing: dict) -> list[dict[str, torch.Tensor]]:
+        """``role``'s updates, then its schedule's step; ``<role>/lr`` is the rate after it, as verl logs it."""
+        model, schedule = (self.actor, self.actor_sched) if role == "actor" else (self.critic, self.critic_sched)
+        model.train()
+        with timer(timing, f"update_{role}", self.device):
+            minis = self._minibatch_updates(batch, role)
+        model.eval()
+        schedule.step()
+        lr = torch.tensor(schedule.get_last_lr()[0])
+        return [m | {f"{role}/lr": lr} for m in minis]
 
     def train_step(self) -> dict[str, float]:
         """One step: 1. generate, 2. evaluate, 3. update; returns the step's metrics."""

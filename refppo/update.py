@@ -81,7 +81,6 @@ def minibatch_updates(
                 count_skips(skipped, name, finite)
                 optimizer.zero_grad(set_to_none=True)
                 stats[f"{name}/grad_norm"] = grad_norm.detach()
-                stats[f"{name}/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])  # the update's, as verl logs it
                 stats[f"{name}/skipped_nonfinite_grad"] = torch.tensor(float(not finite))
                 per_mini.append(stats)
     return per_mini

@@ -337,3 +337,14 @@ def test_sigkills_during_training_then_resume_give_the_uninterrupted_metrics(tmp
     assert clean(out) == clean(tmp_path / "whole")
     for step in range(1, 8):
         assert torch.load(out / "checkpoints" / f"step_{step:06d}" / STATE_FILE, weights_only=False)["step"] == step
+
+
+def test_the_summary_reports_the_gold_score_beside_the_trained_one(tmp_path):
+    from refppo.runs import summary
+
+    run = RunFolder(tmp_path / "r", Config())
+    for step, (score, gold) in enumerate([(0.1, 0.2), (0.5, 0.4), (0.9, 0.3)]):
+        run.log(step, {"val/score": score, "val/gold": gold})
+    printed = summary(tmp_path / "r")
+    assert "val/score: first 0.1 (step 0), last 0.9 (step 2), best 0.9 (step 2)" in printed
+    assert "val/gold: first 0.2 (step 0), last 0.3 (step 2), best 0.4 (step 1)" in printed
