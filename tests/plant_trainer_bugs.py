@@ -36,6 +36,16 @@ BUGS = [
         'batch["ref_log_prob"],\n                batch["old_log_probs"],',
     ),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
+    (
+        "warm-up delays the actor without a critic",
+        "warm = not self.use_critic or self.step >= self.config.trainer.critic_warmup",
+        "warm = self.step >= self.config.trainer.critic_warmup",
+    ),
+    (
+        "lr logged before the schedule's step",
+        "        schedule.step()\n        lr = torch.tensor(schedule.get_last_lr()[0])",
+        "        lr = torch.tensor(schedule.get_last_lr()[0])\n        schedule.step()",
+    ),
     ("a NaN entropy not checked", 'finite["entropy"] = entropy', "pass"),
     (
         "KL computed but not put in the reward",
@@ -121,15 +131,15 @@ BUGS = [
     ),
     (
         "losses.py",
-        "clip adapter: bounds swapped",
-        "        clip_ratio_low,\n        clip_ratio_high,\n        clip_ratio_c,",
-        "        clip_ratio_high,\n        clip_ratio_low,\n        clip_ratio_c,",
+        "clip loss: bounds swapped",
+        "torch.clamp(ratio, 1 - low, 1 + high)",
+        "torch.clamp(ratio, 1 - high, 1 + low)",
     ),
     (
         "losses.py",
-        "penalty adapter: KL type for the coefficient",
-        "        penalty_kl_coef,\n        penalty_kl_type,\n        loss_agg_mode,",
-        "        0.1,\n        penalty_kl_type,\n        loss_agg_mode,",
+        "penalty loss: KL type ignored",
+        "kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)",
+        'kl = kl_penalty(old_log_prob.detach(), log_prob, "kl")',
     ),
     (
         "advantages.py",
@@ -284,6 +294,7 @@ if __name__ == "__main__":
             "tests/test_trainer.py",
             "tests/test_trainer_wiring.py",
             "tests/test_registry.py",
+            "tests/test_losses.py",
             "tests/test_forward.py",
             "tests/test_generation.py",
             "tests/test_functional.py",

@@ -133,6 +133,7 @@ def test_every_valid_combination_trains(drawn, seed):
     actor_before = [p.detach().clone() for p in trainer.actor.parameters()]
     config = trainer.config
     grad_norms = []
+    tol = 1e-5  # float32 rounding of two passes (compiled or plain), summed over tokens by token-sum
     for step in (1, 2, 3):
         metrics = trainer.train_step()
         grad_norms.append(metrics.get("actor/grad_norm", 0.0))
@@ -141,13 +142,13 @@ def test_every_valid_combination_trains(drawn, seed):
         if step == 1:
             # The reference is a copy of the actor: every estimator gives 0 before the first update.
             if config.algorithm.use_kl_in_reward:
-                assert abs(metrics["actor/reward_kl_penalty"]) <= 1e-6, (overrides, lora_rank)
+                assert abs(metrics["actor/reward_kl_penalty"]) <= tol, (overrides, lora_rank)
         if step == first_actor_step:
             first = trainer.last_update_stats[0]
             if config.actor.use_kl_loss and step == 1:
-                assert abs(first["actor/kl_loss"]) <= 1e-6, (overrides, lora_rank)
+                assert abs(first["actor/kl_loss"]) <= tol, (overrides, lora_rank)
             if config.actor.policy_mode == "decoupled":
-                assert abs(first["actor/ppo_kl"]) <= 1e-6 and first.get("actor/pg_clipfrac", 0.0) == 0.0, (
+                assert abs(first["actor/ppo_kl"]) <= tol and first.get("actor/pg_clipfrac", 0.0) == 0.0, (
                     overrides,
                     lora_rank,
                 )
