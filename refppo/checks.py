@@ -92,10 +92,11 @@ def check_values(
         labels.append(label + suffix)
         flags.append((bad if where is None else bad & where.bool()).any())
 
+    first_finite = len(flags)
     for name, t in (finite or {}).items():
         if t.is_floating_point():
             flag_at_valid(f"{name} contains NaN or inf", ~torch.isfinite(t))
-    nonfinite = set(labels[len(masks or {}) :])
+    finite_flags = range(first_finite, len(flags))
     for name, t in (nonnegative or {}).items():
         flag_at_valid(f"{name} has a negative entry", t < 0)
     if min_valid is not None:
@@ -107,7 +108,7 @@ def check_values(
     bad = torch.stack([f.to(flags[0].device) for f in flags]).tolist()  # the one sync
     errors = [label for label, b in zip(labels, bad) if b]
     if errors:
-        raise (NonFiniteError if nonfinite & set(errors) else ValueError)("; ".join(errors))
+        raise (NonFiniteError if any(bad[i] for i in finite_flags) else ValueError)("; ".join(errors))
 
 
 @contextlib.contextmanager

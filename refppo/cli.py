@@ -108,7 +108,7 @@ def checked_tokenizer(config: Config, command: str):
     folders = _model_folders(config, command)
     positions = config.data.max_prompt_length + config.data.max_response_length if command == "ppo" else None
     specs = {
-        key: check_model_folder(path, key, head=None if key != "model.path" else False, positions=positions)
+        key: check_model_folder(path, key, head=False if key == "model.path" else None, positions=positions)
         for key, path in folders
     }
     tokenizer = load_tokenizer(config.model.path)

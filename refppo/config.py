@@ -48,7 +48,7 @@ COMMANDS = ("sft", "rm", "ppo")
 # Numeric ranges in interval notation ("inf)" excludes infinity; NaN is in no range).
 POSITIVE, COUNT, NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
 # Adam's step, up to lr / (1 - beta1) with beta1 < 1 in float64 (a factor below 1e16), must stay a float32
-RATE = "[0, 1e10]"
+RATE, POSITIVE_RATE = "[0, 1e10]", "(0, 1e10]"
 
 
 # ---- conditions under which a setting is read (refppo.declare.Needs) ---------------------
@@ -351,7 +351,7 @@ class SFTConfig:
 
     steps: int = setting(600, COUNT)
     batch_size: int = setting(64, COUNT)
-    lr: float = setting(1e-3, "(0, 1e10]")
+    lr: float = setting(1e-3, POSITIVE_RATE)
     n_examples: int | None = setting(None, COUNT)  # training examples used; None: all
     # arithmetic: share of carry problems the teacher gets wrong (forgets the carry); 0 is perfect
     teacher_carry_error: float = setting(0.75, "[0, 1]", needs=ARITHMETIC)
@@ -363,7 +363,7 @@ class RMConfig:
 
     steps: int = setting(400, COUNT)
     batch_size: int = setting(64, COUNT)
-    lr: float = setting(3e-4, "(0, 1e10]")
+    lr: float = setting(3e-4, POSITIVE_RATE)
     n_pairs: int = setting(2000, COUNT)
     center: bool = setting(True)  # shift the head's bias so SFT samples score 0 on average
 

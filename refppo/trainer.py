@@ -362,7 +362,7 @@ class PPOTrainer:
 
     def _update_role(self, batch: dict[str, torch.Tensor], role: str, timing: dict) -> list[dict[str, torch.Tensor]]:
         """``role``'s updates, then its schedule's step; ``<role>/lr`` is the rate after it, as verl logs it."""
-        model, schedule = (self.actor, self.actor_sched) if role == "actor" else (self.critic, self.critic_sched)
+        model, _, schedule = self._roles()[role]
         model.train()
         with timer(timing, f"update_{role}", self.device):
             minis = self._minibatch_updates(batch, role)

@@ -145,3 +145,17 @@ def test_bad_logits_inputs():
         logprobs_from_logits(torch.randn(5), torch.zeros((), dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         entropy_from_logits(torch.randn(2, 5), temperature=-1.0)
+
+
+def test_a_nan_is_a_non_finite_error_and_other_bad_values_a_plain_value_error():
+    from refppo.checks import NonFiniteError, check_values
+
+    mask, x = torch.ones(2, 3), torch.zeros(2, 3)
+    with pytest.raises(NonFiniteError, match="x contains NaN or inf"):
+        check_values(masks={"mask": mask}, finite={"x": x.clone().fill_(float("nan"))})
+    with pytest.raises(NonFiniteError, match="mask must contain only 0 and 1; x contains NaN or inf"):
+        check_values(masks={"mask": mask * 2}, finite={"x": x.clone().fill_(float("inf"))})
+    for bad in [dict(masks={"mask": mask * 2}, finite={"x": x}), dict(nonnegative={"x": x - 1})]:
+        with pytest.raises(ValueError) as refused:
+            check_values(**bad)
+        assert type(refused.value) is ValueError
