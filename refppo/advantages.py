@@ -9,7 +9,15 @@ from collections.abc import Sequence
 
 import torch
 
-from refppo.checks import check_ndim, check_same_shape, check_unit_interval, check_values
+from refppo.checks import (
+    check_flag,
+    check_ndim,
+    check_number,
+    check_same_shape,
+    check_tensors,
+    check_values,
+    checks_once,
+)
 from refppo.functional import masked_whiten
 from refppo.registry import Registry
 
@@ -36,6 +44,7 @@ def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 @register_adv_est("gae")
 @torch.no_grad()
+@checks_once
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -85,8 +94,8 @@ def checked_gae_inputs(token_level_rewards, values, response_mask, gamma, lam) -
     lam in [0, 1]) and in one float dtype: float32, or wider if an input is."""
     check_ndim("token_level_rewards", token_level_rewards, 2)
     check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
-    check_unit_interval("gamma", gamma)
-    check_unit_interval("lam", lam)
+    check_number("gamma", gamma, "[0, 1]")
+    check_number("lam", lam, "[0, 1]")
     check_values(
         masks={"response_mask": response_mask},
         finite={"token_level_rewards": token_level_rewards, "values": values},
@@ -98,13 +107,19 @@ def checked_gae_inputs(token_level_rewards, values, response_mask, gamma, lam) -
 
 def _group_ids(index: Sequence | torch.Tensor, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """Map group labels (prompt uids) to 0..G-1; returns ((batch,) long ids, G)."""
+    if isinstance(index, torch.Tensor) and index.dim() != 1 or not hasattr(index, "__len__"):
+        raise ValueError(f"index must be a (batch,) sequence of group labels, got {type(index).__name__}")
     if len(index) != batch:
         raise ValueError(f"index has {len(index)} entries but the batch has {batch} rows")
     if isinstance(index, torch.Tensor):
+        check_tensors(index=index, token_level_rewards=torch.empty(0, device=device))
         uniq, ids = torch.unique(index, return_inverse=True)
         return ids.to(device), len(uniq)
     lookup: dict = {}
-    ids = [lookup.setdefault(key, len(lookup)) for key in index]
+    try:
+        ids = [lookup.setdefault(key, len(lookup)) for key in index]
+    except TypeError as error:
+        raise ValueError(f"index entries must be hashable group labels: {error}") from None
     return torch.tensor(ids, dtype=torch.long, device=device), len(lookup)
 
 
@@ -126,6 +141,7 @@ def _group_scores(
 
 @register_adv_est("grpo")
 @torch.no_grad()
+@checks_once
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -143,12 +159,14 @@ def compute_grpo_outcome_advantage(
         token_level_rewards: (batch, T).
         response_mask: (batch, T) 0/1.
         index: (batch,) group labels: a list of hashables or a tensor.
-        epsilon: added to the std.
+        epsilon: added to the std, >= 0.
         norm_adv_by_std_in_grpo: divide by the std (False gives Dr. GRPO's mean-only baseline).
 
     Returns:
         advantages, returns: both (batch, T), the per-row advantage on every valid token.
     """
+    check_number("epsilon", epsilon, "[0, inf)")
+    check_flag("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
     scores, n, total, sq_dev = _group_scores(token_level_rewards, response_mask, index)
     single = n == 1
     mean = torch.where(single, torch.zeros_like(total), total / n)
@@ -162,6 +180,7 @@ def compute_grpo_outcome_advantage(
 
 @register_adv_est("rloo")
 @torch.no_grad()
+@checks_once
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import numbers
 
 import torch
 
 _VALUE_CHECKS = contextvars.ContextVar("refppo_value_checks", default=True)
+_CHECKED_DEPTH = contextvars.ContextVar("refppo_checked_depth", default=0)
 
 
 @contextlib.contextmanager
@@ -26,12 +29,45 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS.reset(token)
 
 
+def checks_once(fn):
+    """Decorator for a public function whose inputs are checked, by itself or by the code that made
+    them: the checked functions it calls skip their value checks, so one call costs at most one
+    host sync (a per-token or per-micro-batch function, none)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        token = _CHECKED_DEPTH.set(_CHECKED_DEPTH.get() + 1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CHECKED_DEPTH.reset(token)
+
+    return wrapper
+
+
+def check_tensors(**tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every named value is a tensor and all are on one device.
+
+    Args:
+        **tensors: name -> tensor of any shape.
+    """
+    items = list(tensors.items())
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    name0, t0 = items[0]
+    for name, t in items[1:]:
+        if t.device != t0.device:
+            raise ValueError(f"device mismatch: {name} is on {t.device} but {name0} is on {t0.device}")
+
+
 def check_same_shape(**tensors: torch.Tensor) -> None:
-    """Raise ValueError unless all named tensors have one shape.
+    """Raise ValueError unless all named tensors have one shape (and one device).
 
     Args:
         **tensors: name -> tensor of any shape; all must match the first.
     """
+    check_tensors(**tensors)
     items = list(tensors.items())
     name0, t0 = items[0]
     for name, t in items[1:]:
@@ -40,16 +76,43 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
 
 
 def check_ndim(name: str, t: torch.Tensor, ndim: int) -> None:
-    """Raise ValueError unless ``t`` has ``ndim`` dimensions."""
+    """Raise ValueError unless ``t`` is a tensor with ``ndim`` dimensions."""
+    check_tensors(**{name: t})
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
-def check_unit_interval(name: str, x: float) -> None:
-    """Raise ValueError unless the scalar ``x`` lies in [0, 1]."""
-    v = float(x)
-    if not 0.0 <= v <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {v}")
+def in_range(value: float, spec: str) -> bool:
+    """Whether ``value`` lies in ``spec``: intervals such as "[0, 1)" or "(0, inf]" and single
+    numbers, joined by " or ". NaN lies in none."""
+    for part in spec.split(" or "):
+        if part[0] not in "[(":
+            if value == float(part):
+                return True
+            continue
+        low, high = (float(x) for x in part[1:-1].split(","))
+        above = value >= low if part[0] == "[" else value > low
+        below = value <= high if part[-1] == "]" else value < high
+        if above and below:
+            return True
+    return False
+
+
+def check_number(name: str, x, valid: str) -> None:
+    """Raise ValueError unless ``x`` is a real number (a Python or NumPy one, or a one-element
+    tensor; not a bool, a string or None) in the interval ``valid``, e.g. "[0, 1]" or "(0, inf)"."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_complex():
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"{name} must be a number in {valid}, got {x!r}")
+    if not in_range(float(x), valid):
+        raise ValueError(f"{name} must be in {valid}, got {x}")
+
+
+def check_flag(name: str, x) -> None:
+    """Raise ValueError unless ``x`` is a bool (a string such as "false" would read as true)."""
+    if not isinstance(x, bool):
+        raise ValueError(f"{name} must be True or False, got {x!r}")
 
 
 def check_choice(kind: str, name: str, valid) -> None:
@@ -68,8 +131,10 @@ def check_values(
     min_valid: tuple[str, torch.Tensor, int] | None = None,
     where: torch.Tensor | None = None,
     nonnegative: dict[str, torch.Tensor] | None = None,
+    violations: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Run all value checks of one call with a single host sync (none inside ``value_checks(False)``).
+    """Run all value checks of one call with a single host sync (none inside ``value_checks(False)``,
+    nor inside a function that :func:`checks_once` its own inputs).
 
     Args:
         masks: name -> mask tensor that must hold only 0 and 1.
@@ -78,9 +143,16 @@ def check_values(
         where: if given, a 0/1 mask: ``finite`` and ``nonnegative`` are only required where
             it is 1 (padding may hold anything, since masked reductions never read it).
         nonnegative: name -> tensor that must be >= 0 (e.g. importance weights).
+        violations: message -> bool tensor that must be all False (e.g. token ids out of range).
     """
-    if not _VALUE_CHECKS.get():
+    if not _VALUE_CHECKS.get() or _CHECKED_DEPTH.get() > 1:
         return
+    named = {**(masks or {}), **(finite or {}), **(nonnegative or {}), **(violations or {})}
+    if min_valid is not None:
+        named[min_valid[0]] = min_valid[1]
+    for name, t in named.items():
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device: it holds no values to compute with")
     labels: list[str] = []
     flags: list[torch.Tensor] = []
     for name, m in (masks or {}).items():
@@ -99,6 +171,9 @@ def check_values(
     finite_flags = range(first_finite, len(flags))
     for name, t in (nonnegative or {}).items():
         flag_at_valid(f"{name} has a negative entry", t < 0)
+    for message, t in (violations or {}).items():
+        labels.append(message)
+        flags.append(t.any())
     if min_valid is not None:
         name, m, k = min_valid
         labels.append(f"{name} has fewer than {k} valid (mask 1) token(s)")

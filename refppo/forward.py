@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refppo.checks import checks_once
 from refppo.device import trainable_forward
 from refppo.functional import entropy_from_logits, last_valid_index, logprobs_from_logits
 
@@ -68,6 +69,7 @@ def response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return _forward(model, batch, logits_to_keep=keep).logits
 
 
+@checks_once  # per micro-batch: the trainer's batch holds the model's own token ids
 def response_log_probs(
     model, batch: dict[str, torch.Tensor], temperature: float = 1.0, calculate_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,6 +109,7 @@ def response_values(critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return values.masked_fill(~mask, 0.0)
 
 
+@checks_once  # per micro-batch: the trainer's batch holds the model's own masks
 def response_scores(reward_model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """One forward pass of a scalar-head model: the score at each row's last valid response token.
 

@@ -8,9 +8,26 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_same_shape, check_values, value_checks
+from refppo.checks import (
+    check_flag,
+    check_ndim,
+    check_number,
+    check_same_shape,
+    check_tensors,
+    check_values,
+    checks_once,
+)
 
 
+def _check_masked(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None, min_valid: int = 0) -> None:
+    check_same_shape(values=values, mask=mask)
+    if axis is not None and not (isinstance(axis, int) and -values.dim() <= axis < values.dim()):
+        raise ValueError(f"axis must be None or an int in [{-values.dim()}, {values.dim()}), got {axis!r}")
+    count = ("mask", mask, min_valid) if min_valid else None
+    check_values(masks={"mask": mask}, finite={"values": values}, min_valid=count, where=mask)
+
+
+@checks_once
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is 1.
 
@@ -23,11 +40,17 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None
 
     Returns:
         Scalar, or (*shape without axis) when ``axis`` is given.
+
+    Raises:
+        ValueError: mismatched shapes or devices, a mask that is not 0/1, NaN or inf where the
+            mask is 1, an axis out of range.
     """
+    _check_masked(values, mask, axis)
     valid = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
     return (valid * mask).sum(dim=axis)
 
 
+@checks_once
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     """Mean of ``values`` over positions where ``mask`` is 1 (verl: sum / (count + 1e-8)).
 
@@ -40,10 +63,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
 
     Returns:
         Scalar, or (*shape without axis) when ``axis`` is given.
+
+    Raises:
+        ValueError: as :func:`masked_sum`.
     """
+    _check_masked(values, mask, axis)
     return masked_sum(values, mask, axis) / (mask.sum(dim=axis) + 1e-8)
 
 
+@checks_once
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of ``values`` over all positions where ``mask`` is 1.
 
@@ -56,10 +84,11 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
         Scalar tensor.
 
     Raises:
-        ValueError: fewer than 2 valid tokens (unbiased) or none (biased).
+        ValueError: as :func:`masked_sum`, and fewer than 2 valid tokens (unbiased) or none
+            (biased).
     """
-    check_same_shape(values=values, mask=mask)
-    check_values(min_valid=("mask", mask, 2 if unbiased else 1))
+    check_flag("unbiased", unbiased)
+    _check_masked(values, mask, min_valid=2 if unbiased else 1)
     mean = masked_mean(values, mask)
     variance = masked_mean((values - mean) ** 2, mask)
     if unbiased:
@@ -68,6 +97,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return variance
 
 
+@checks_once
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Normalise ``values`` to zero mean and unit variance over the mask (verl's masked_whiten).
 
@@ -81,22 +111,21 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         shift_mean: subtract the mean (True) or keep it (False).
 
     Raises:
-        ValueError: mismatched shapes, a mask that is not 0/1, NaN or inf at a valid position,
-            fewer than 2 valid positions.
+        ValueError: as :func:`masked_sum`, and fewer than 2 valid positions.
 
     Returns:
         (*shape) tensor.
     """
-    check_same_shape(values=values, mask=mask)
-    check_values(masks={"mask": mask}, finite={"values": values}, min_valid=("mask", mask, 2), where=mask)
-    with value_checks(False):  # checked above, in one host sync
-        mean, var = masked_mean(values, mask), masked_var(values, mask)
+    check_flag("shift_mean", shift_mean)
+    _check_masked(values, mask, min_valid=2)
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return whitened
 
 
+@checks_once
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 in each row of a 0/1 mask (0 for a row with none).
 
@@ -106,18 +135,33 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     Returns:
         (batch,) int64 indices.
     """
+    check_ndim("mask", mask, 2)
+    check_values(masks={"mask": mask})
     positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
     return (mask.long() * positions).argmax(dim=-1)
 
 
 def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None, temperature: float) -> None:
-    if logits.dim() < 2 or (labels is not None and labels.shape != logits.shape[:-1]):
-        got = f", labels shape {tuple(labels.shape)}" if labels is not None else ""
-        raise ValueError(f"logits must be (..., vocab) and labels (...): got logits {tuple(logits.shape)}{got}")
-    if not float(temperature) > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # NaN logits are not looked for (a pass over the vocabulary): they give NaN log-probs, which
+    # every function that reads log-probs refuses.
+    check_tensors(logits=logits)
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be (..., vocab), got shape {tuple(logits.shape)}")
+    check_number("temperature", temperature, "(0, inf)")
+    if labels is None:
+        return
+    check_tensors(logits=logits, labels=labels)
+    integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+    if labels.shape != logits.shape[:-1] or not integer:
+        raise ValueError(
+            f"labels must be integer token ids of shape {tuple(logits.shape[:-1])} (logits' without the vocabulary), "
+            f"got {labels.dtype} of shape {tuple(labels.shape)}"
+        )
+    vocab = logits.shape[-1]
+    check_values(violations={f"labels has an id outside [0, {vocab})": (labels < 0) | (labels >= vocab)})
 
 
+@checks_once
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[label], in float32.
 
@@ -134,6 +178,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+@checks_once
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / temperature), in float32: logsumexp(z) - E_p[z].
 

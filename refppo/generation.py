@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refppo.checks import check_ndim, check_same_shape, check_unit_interval
+from refppo.checks import check_ndim, check_number, check_same_shape, checks_once
 from refppo.device import autocast
 from refppo.functional import logprobs_from_logits
 from refppo.prompts import position_ids_from_mask, sequence_batch
@@ -31,6 +31,7 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch
     return scaled
 
 
+@checks_once  # the tokens it samples are in the vocabulary: no host sync per token
 def sample_next_token(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -105,11 +106,8 @@ def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_t
         )
     if max_new_tokens < 1 or n < 1:
         raise ValueError(f"max_new_tokens and n must be >= 1, got {max_new_tokens} and {n}")
-    if not float(temperature) > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_unit_interval("top_p", top_p)
-    if top_p == 0:
-        raise ValueError("top_p must be > 0")
+    check_number("temperature", temperature, "(0, inf)")
+    check_number("top_p", top_p, "(0, 1]")
     mask = attention_mask.long()
     bad = ((mask != 0) & (mask != 1)).any() | (mask.diff(dim=1) < 0).any() | (mask[:, -1] != 1).any()
     if bool(bad):

@@ -14,11 +14,9 @@ A name ending in "+" (e.g. "k3+") returns the estimator's value with k2's gradie
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from refppo.checks import check_choice, check_same_shape, check_values
+from refppo.checks import check_choice, check_number, check_same_shape, check_values, checks_once
 from refppo.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator")
@@ -40,18 +38,21 @@ def kl_penalty_types() -> tuple[str, ...]:
 @register_kl_estimator("kl", "k1")
 def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k1 = log pi - log pi_ref; (batch, T) -> (batch, T)."""
+    check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
     return logprob - ref_logprob
 
 
 @register_kl_estimator("abs")
 def kl_abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """|k1|; (batch, T) -> (batch, T)."""
+    check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
     return (logprob - ref_logprob).abs()
 
 
 @register_kl_estimator("mse", "k2")
 def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 * (log pi - log pi_ref)^2; (batch, T) -> (batch, T)."""
+    check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
     return 0.5 * (logprob - ref_logprob).square()
 
 
@@ -62,10 +63,12 @@ def kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     Computed as expm1(x) - x: the same value as verl's exp(x) - x - 1 without its cancellation
     when x is small. Clamped as verl's: the log-ratio to +-20, the result to +-10.
     """
+    check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
     log_r = torch.clamp(ref_logprob - logprob, min=-20, max=20)
     return torch.clamp(torch.expm1(log_r) - log_r, min=-10, max=10)
 
 
+@checks_once
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "kl") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from log-probs of sampled tokens (verl's kl_penalty).
 
@@ -93,6 +96,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     return k2 - k2.detach() + value.detach()
 
 
+@checks_once
 def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Exact KL(pi || pi_ref) over the whole vocabulary at each position, in float32.
 
@@ -106,21 +110,36 @@ def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float =
 
     Returns:
         (...) float32 KL per position, >= 0.
+
+    Raises:
+        ValueError: mismatched shapes, a temperature not > 0, NaN or inf in either input.
     """
     check_same_shape(logits=logits, ref_logits=ref_logits)
+    if logits.dim() < 1:
+        raise ValueError("logits must be (..., vocab), got a scalar")
+    check_number("temperature", temperature, "(0, inf)")
+    check_values(finite={"logits": logits, "ref_logits": ref_logits})
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     ref_logp = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
     return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
+def _check_update(current_kl: float, n_steps: int) -> None:
+    check_number("current_kl", current_kl, "(-inf, inf)")  # k1's batch mean may be below 0
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
 
 
 class FixedKLController:
     """A constant KL coefficient beta (``algorithm.kl_ctrl.type=fixed``)."""
 
     def __init__(self, kl_coef: float):
+        check_number("kl_coef", kl_coef, "[0, inf)")
         self.value = float(kl_coef)
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
-        """Does nothing: beta stays fixed."""
+        """Does nothing: beta stays fixed (the arguments are checked as the other controllers')."""
+        _check_update(current_kl, n_steps)
 
 
 class AdaptiveKLController:
@@ -130,16 +149,16 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
-        if not target_kl > 0:
-            raise ValueError(f"target_kl must be > 0, got {target_kl}")
-        if not horizon > 0:
-            raise ValueError(f"horizon must be > 0, got {horizon}")
+        check_number("init_kl_coef", init_kl_coef, "[0, inf)")
+        check_number("target_kl", target_kl, "(0, inf)")
+        check_number("horizon", horizon, "(0, inf)")
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Move beta toward the target KL; ``n_steps`` is the number of samples in the batch."""
+        _check_update(current_kl, n_steps)
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
@@ -151,16 +170,15 @@ class PPOPaperKLController:
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float):
-        if not target_kl > 0:
-            raise ValueError(f"target_kl must be > 0, got {target_kl}")
+        check_number("init_kl_coef", init_kl_coef, "[0, inf)")
+        check_number("target_kl", target_kl, "(0, inf)")
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Apply the 1.5x / 2x rule once (``n_steps`` is accepted for a common interface)."""
+        _check_update(current_kl, n_steps)
         kl = float(current_kl)
-        if math.isnan(kl):
-            raise ValueError("current_kl is NaN")
         if kl < self.target / 1.5:
             self.value /= 2.0
         elif kl > self.target * 1.5:

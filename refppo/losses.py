@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_choice, check_same_shape, check_values, value_checks
+from refppo.checks import check_choice, check_ndim, check_number, check_same_shape, check_values, checks_once
 from refppo.functional import masked_mean, masked_sum
 from refppo.kl import kl_penalty
 from refppo.registry import Registry
@@ -38,8 +38,8 @@ def _agg_loss(
     loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float | None = None
 ) -> torch.Tensor:
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-    if loss_scale_factor is not None and not loss_scale_factor > 0:
-        raise ValueError(f"loss_scale_factor must be > 0 (or None), got {loss_scale_factor}")
+    if loss_scale_factor is not None:
+        check_number("loss_scale_factor", loss_scale_factor, "(0, inf)")
     # Callers guarantee at least one valid token, so the divisions below are exact.
     if loss_agg_mode == "token-mean":
         return masked_sum(loss_mat, loss_mask) / loss_mask.sum()
@@ -57,6 +57,7 @@ def _agg_loss(
     return masked_sum(seq_losses, has_tokens) / has_tokens.sum()
 
 
+@checks_once
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -104,6 +105,14 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
         Scalar tensor.
     """
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    check_ndim("micro_mask", micro_mask, 2)
+    check_ndim("mini_mask", mini_mask, 2)
+    if micro_mask.shape[0] > mini_mask.shape[0] or micro_mask.shape[1] > mini_mask.shape[1]:
+        raise ValueError(
+            f"micro_mask {tuple(micro_mask.shape)} must be rows of mini_mask {tuple(mini_mask.shape)}: no larger in "
+            "either dimension"
+        )
+    check_values(masks={"micro_mask": micro_mask, "mini_mask": mini_mask}, min_valid=("mini_mask", mini_mask, 1))
     dtype = torch.promote_types(micro_mask.dtype, torch.float32)
     if loss_agg_mode == "token-sum":
         return torch.ones((), dtype=dtype, device=micro_mask.device)
@@ -121,6 +130,7 @@ get_policy_loss_fn = POLICY_LOSSES.get
 
 
 @register_policy_loss("clip")
+@checks_once
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -162,12 +172,13 @@ def compute_policy_loss(
         old_log_prob - log_prob (k1 estimate of KL(old || new)); ``actor/pg_clipfrac_lower``, the
         fraction of valid tokens with A < 0 capped by the dual clip.
     """
+    check_number("clip_ratio", clip_ratio, "[0, 1)")
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    if not (0 <= low < 1 and high >= 0):
-        raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {low}, {high}")
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip (or None to turn it off), got {clip_ratio_c}")
+    check_number("clip_ratio_low", low, "[0, 1)")
+    check_number("clip_ratio_high", high, "[0, inf)")
+    if clip_ratio_c is not None:
+        check_number("clip_ratio_c", clip_ratio_c, "(1, inf)")
     extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
     _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
 
@@ -199,6 +210,7 @@ def compute_policy_loss(
 
 
 @register_policy_loss("penalty")
+@checks_once
 def compute_ppo_penalty_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -229,16 +241,15 @@ def compute_ppo_penalty_loss(
         metrics: ``actor/ppo_kl``, the masked mean of the per-token KL estimate (detached), for a
         beta controller.
     """
-    if not penalty_kl_coef >= 0:
-        raise ValueError(f"penalty_kl_coef must be >= 0, got {penalty_kl_coef}")
+    check_number("penalty_kl_coef", penalty_kl_coef, "[0, inf)")
     _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
-    with value_checks(False):  # checked above, at valid tokens: padding may hold anything
-        kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)
+    kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)
     loss = _agg_loss(-advantages * ratio + penalty_kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, {"actor/ppo_kl": masked_mean(kl, response_mask).detach()}
 
 
+@checks_once
 def compute_value_loss(
     vpreds: torch.Tensor,
     returns: torch.Tensor,
@@ -262,8 +273,8 @@ def compute_value_loss(
         vf_loss: scalar.
         vf_clipfrac: fraction of valid tokens where the clipped error was larger.
     """
-    if cliprange_value is not None and not cliprange_value > 0:
-        raise ValueError(f"cliprange_value must be > 0 (or None), got {cliprange_value}")
+    if cliprange_value is not None:
+        check_number("cliprange_value", cliprange_value, "(0, inf)")
     _check_loss_inputs(response_mask, vpreds=vpreds, returns=returns, values=values)
     vf_losses1 = (vpreds - returns) ** 2
     if cliprange_value is None:

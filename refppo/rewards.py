@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_ndim, check_same_shape, check_values, value_checks
+from refppo.checks import check_ndim, check_number, check_same_shape, check_tensors, check_values, checks_once
 from refppo.functional import last_valid_index, masked_mean
 from refppo.kl import kl_penalty as kl_penalty_fn
 
 
+@checks_once
 def place_score_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Token-level scores: each sequence's score on its last valid response token, 0 elsewhere.
 
@@ -25,6 +26,7 @@ def place_score_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor)
     """
     check_ndim("scores", scores, 1)
     check_ndim("response_mask", response_mask, 2)
+    check_tensors(scores=scores, response_mask=response_mask)
     if scores.shape[0] != response_mask.shape[0]:
         raise ValueError(f"scores has {scores.shape[0]} rows but response_mask has {response_mask.shape[0]}")
     row_tokens = response_mask.sum(dim=-1)
@@ -39,6 +41,7 @@ def place_score_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor)
     return out.scatter_(1, last[:, None], scores.to(dtype)[:, None])
 
 
+@checks_once
 def clip_reward(scores: torch.Tensor, clip_reward_value: float) -> torch.Tensor:
     """Clamp scores to [-clip_reward_value, clip_reward_value] (deepspeed-chat uses 5).
 
@@ -49,11 +52,13 @@ def clip_reward(scores: torch.Tensor, clip_reward_value: float) -> torch.Tensor:
     Returns:
         Tensor of the same shape.
     """
-    if not clip_reward_value > 0:
-        raise ValueError(f"clip_reward_value must be > 0, got {clip_reward_value}")
+    check_number("clip_reward_value", clip_reward_value, "(0, inf)")
+    check_tensors(scores=scores)
+    check_values(finite={"scores": scores})
     return torch.clamp(scores, -clip_reward_value, clip_reward_value)
 
 
+@checks_once
 def apply_missing_eos_penalty(scores: torch.Tensor, is_truncated: torch.Tensor, penalty: float) -> torch.Tensor:
     """Subtract ``penalty`` from the score of every response that never produced EOS.
 
@@ -65,13 +70,15 @@ def apply_missing_eos_penalty(scores: torch.Tensor, is_truncated: torch.Tensor, 
     Returns:
         (batch,) penalised scores.
     """
-    if not penalty >= 0:
-        raise ValueError(f"penalty must be >= 0, got {penalty}")
+    check_number("penalty", penalty, "[0, inf)")
+    check_ndim("scores", scores, 1)
     check_same_shape(scores=scores, is_truncated=is_truncated)
+    check_values(masks={"is_truncated": is_truncated}, finite={"scores": scores})
     return scores - penalty * is_truncated.to(scores.dtype)
 
 
 @torch.no_grad()
+@checks_once
 def apply_kl_penalty(
     token_level_scores: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -99,8 +106,7 @@ def apply_kl_penalty(
         current_kl: scalar, the batch mean of each sequence's masked mean KL, which the KL
             controller is updated with (as verl).
     """
-    if not kl_coef >= 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    check_number("kl_coef", kl_coef, "[0, inf)")
     check_same_shape(
         token_level_scores=token_level_scores,
         old_log_probs=old_log_probs,
@@ -111,8 +117,7 @@ def apply_kl_penalty(
         masks={"response_mask": response_mask},
         finite={"token_level_scores": token_level_scores, "old_log_probs": old_log_probs, "ref_log_prob": ref_log_prob},
     )
-    with value_checks(False):  # checked above, in one host sync
-        kld = kl_penalty_fn(old_log_probs, ref_log_prob, kl_penalty) * response_mask
+    kld = kl_penalty_fn(old_log_probs, ref_log_prob, kl_penalty) * response_mask
     token_level_rewards = token_level_scores - kl_coef * kld
     current_kl = masked_mean(kld, response_mask, axis=-1).mean()
     return token_level_rewards, current_kl

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_same_shape
+from refppo.checks import check_number, check_same_shape, check_values, checks_once
 
 
+@checks_once
 def compute_rollout_is_weights(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, threshold: float
 ) -> torch.Tensor:
@@ -27,8 +28,12 @@ def compute_rollout_is_weights(
     Returns:
         (batch, T) weights in [0, C], no gradient.
     """
-    if not threshold > 0:
-        raise ValueError(f"the truncation threshold must be > 0, got {threshold}")
+    check_number("threshold", threshold, "(0, inf]")
     check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
+    check_values(
+        masks={"response_mask": response_mask},
+        finite={"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob},
+        where=response_mask,
+    )
     log_ratio = torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0)
     return (torch.exp(log_ratio) * response_mask).clamp(max=threshold).detach()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
+from refppo.checks import in_range
 from refppo.config import Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.declare import Declaration, Site
 from refppo.losses import POLICY_LOSSES
@@ -84,22 +85,6 @@ def resumable_settings(config: Config) -> set[str]:
 def ignored_message(setting: str, key: str, needs: str) -> str:
     """The refusal of an ignored setting: ``setting`` as given, its ``key``, and what would read it."""
     return f"{setting} is ignored: {key} is read only with {needs}. Set that, or drop {key}"
-
-
-def in_range(value: float, spec: str) -> bool:
-    """Whether ``value`` lies in ``spec``: intervals such as "[0, 1)" or "(0, inf]" and single
-    numbers, joined by " or ". NaN lies in none."""
-    for part in spec.split(" or "):
-        if part[0] not in "[(":
-            if value == float(part):
-                return True
-            continue
-        low, high = (float(x) for x in part[1:-1].split(","))
-        above = value >= low if part[0] == "[" else value > low
-        below = value <= high if part[-1] == "]" else value < high
-        if above and below:
-            return True
-    return False
 
 
 def _require(condition: bool, message: str) -> None:

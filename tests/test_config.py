@@ -5,6 +5,7 @@ import typing
 
 import pytest
 
+from refppo.checks import in_range
 from refppo.config import (
     Config,
     apply_overrides,
@@ -16,7 +17,7 @@ from refppo.config import (
     leaf_keys,
     owner_of,
 )
-from refppo.settings import in_range, validate
+from refppo.settings import validate
 
 
 def test_overrides_are_typed():

@@ -137,7 +137,7 @@ def test_bf16_logits_give_float32_outputs_and_bf16_grads():
 
 
 def test_bad_logits_inputs():
-    with pytest.raises(ValueError, match="labels shape"):
+    with pytest.raises(ValueError, match="labels must be integer token ids of shape"):
         logprobs_from_logits(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         logprobs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), temperature=0.0)

@@ -240,7 +240,7 @@ def test_seq_mean_token_sum_norm_is_a_mean_of_sequences_over_a_constant():
     short = agg_loss(loss[:1, :2], mask[:1, :2], "seq-mean-token-sum-norm", 8)
     assert short.item() == pytest.approx(3 / 8)
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
-    with pytest.raises(ValueError, match="loss_scale_factor must be > 0"):
+    with pytest.raises(ValueError, match=r"loss_scale_factor must be in \(0, inf\)"):
         compute_policy_loss(x, x, x, m, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
@@ -267,7 +267,7 @@ def test_negative_importance_weights_are_refused():
 
 def test_loss_bad_input():
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
-    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+    with pytest.raises(ValueError, match=r"clip_ratio_c must be in \(1, inf\)"):
         compute_policy_loss(x, x, x, m, clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'; valid: seq-mean-token-mean"):
         compute_policy_loss(x, x, x, m, loss_agg_mode="mean")
@@ -281,9 +281,9 @@ def test_loss_bad_input():
         compute_policy_loss(x, x, torch.full((2, 3), float("nan")), m)
     with pytest.raises(ValueError, match="cliprange_value"):
         compute_value_loss(x, x, x, m, 0.0)
-    with pytest.raises(ValueError, match="clip_ratio_low"):
+    with pytest.raises(ValueError, match=r"clip_ratio must be in \[0, 1\)"):
         compute_policy_loss(x, x, x, m, clip_ratio=1.2)
-    with pytest.raises(ValueError, match="penalty_kl_coef must be >= 0"):
+    with pytest.raises(ValueError, match=r"penalty_kl_coef must be in \[0, inf\)"):
         compute_ppo_penalty_loss(x, x, x, m, penalty_kl_coef=-1.0)
 
 

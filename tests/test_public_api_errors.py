@@ -1,0 +1,301 @@
+"""The README's promise, for every public function of the math modules: bad input raises a
+ValueError naming the problem, never a torch error, a NaN or a wrong number.
+
+Each public function has a valid call in ``GOOD``. The bad inputs are made from its signature:
+for every tensor argument a wrong shape, a tensor on the meta device, NaN (values) or 0.5 and 2
+(masks), a float dtype (token ids); for every number NaN, inf, -1, a string and None; for every
+flag the string "false"; for every name an unknown one. ``VALID`` lists the few of these that are
+valid input (a negative KL, an infinite threshold), each with its reason. A public function
+missing from ``GOOD`` fails the first test.
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from refppo import advantages, functional, kl, losses, rewards, rollout_correction
+from refppo.checks import NonFiniteError
+
+MODULES = (functional, advantages, losses, kl, rewards, rollout_correction)
+B, T = 3, 4
+
+
+def _public(module):
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(obj):
+            yield name, obj
+        elif inspect.isclass(obj) and not issubclass(obj, Exception):
+            yield name, obj
+            yield f"{name}.update", obj.update
+
+
+def _x(seed=0):
+    return torch.randn(B, T, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _mask():
+    return torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+
+
+def _lp(seed):
+    return -_x(seed).abs()
+
+
+def _pair(**extra):
+    return dict(old_log_prob=_lp(1), log_prob=_lp(2), advantages=_x(3), response_mask=_mask(), **extra)
+
+
+def _controller(cls, *args):
+    return lambda **kw: cls(*args).update(**kw)
+
+
+# name -> keyword arguments of a valid call (a method: the arguments of the method, on an instance
+# made with valid arguments)
+GOOD = {
+    "masked_sum": lambda: dict(values=_x(), mask=_mask(), axis=None),
+    "masked_mean": lambda: dict(values=_x(), mask=_mask(), axis=-1),
+    "masked_var": lambda: dict(values=_x(), mask=_mask(), unbiased=True),
+    "masked_whiten": lambda: dict(values=_x(), mask=_mask(), shift_mean=True),
+    "last_valid_index": lambda: dict(mask=_mask()),
+    "logprobs_from_logits": lambda: dict(
+        logits=torch.randn(B, T, 7), labels=torch.randint(0, 7, (B, T)), temperature=0.7
+    ),
+    "entropy_from_logits": lambda: dict(logits=torch.randn(B, T, 7), temperature=0.7),
+    "checked_gae_inputs": lambda: dict(
+        token_level_rewards=_x(1), values=_x(2), response_mask=_mask(), gamma=0.99, lam=0.95
+    ),
+    "compute_gae_advantage_return": lambda: dict(
+        token_level_rewards=_x(1), values=_x(2), response_mask=_mask(), gamma=0.99, lam=0.95
+    ),
+    "compute_grpo_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1),
+        response_mask=_mask(),
+        index=["a", "a", "b"],
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=True,
+    ),
+    "compute_rloo_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1), response_mask=_mask(), index=torch.tensor([0, 0, 1])
+    ),
+    "needs_critic": lambda: dict(adv_estimator="gae"),
+    "agg_loss": lambda: dict(
+        loss_mat=_x(), loss_mask=_mask(), loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=8.0
+    ),
+    "agg_loss_weight": lambda: dict(micro_mask=_mask()[:2, :3], mini_mask=_mask(), loss_agg_mode="token-mean"),
+    "compute_policy_loss": lambda: _pair(
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        loss_agg_mode="token-mean",
+        rollout_is_weights=_x(4).abs(),
+        loss_scale_factor=8.0,
+    ),
+    "compute_ppo_penalty_loss": lambda: _pair(
+        penalty_kl_coef=0.1, penalty_kl_type="k3", loss_agg_mode="token-mean", loss_scale_factor=8.0
+    ),
+    "compute_value_loss": lambda: dict(
+        vpreds=_x(1),
+        returns=_x(2),
+        values=_x(3),
+        response_mask=_mask(),
+        cliprange_value=0.5,
+        loss_agg_mode="token-mean",
+        loss_scale_factor=8.0,
+    ),
+    "kl_k1": lambda: dict(logprob=_lp(1), ref_logprob=_lp(2)),
+    "kl_k2": lambda: dict(logprob=_lp(1), ref_logprob=_lp(2)),
+    "kl_k3": lambda: dict(logprob=_lp(1), ref_logprob=_lp(2)),
+    "kl_abs": lambda: dict(logprob=_lp(1), ref_logprob=_lp(2)),
+    "kl_penalty": lambda: dict(logprob=_lp(1), ref_logprob=_lp(2), kl_penalty="k3+"),
+    "kl_full": lambda: dict(logits=torch.randn(B, T, 7), ref_logits=torch.randn(B, T, 7), temperature=0.7),
+    "kl_penalty_types": lambda: dict(),
+    "register_kl_estimator": lambda: dict(),
+    "FixedKLController": lambda: dict(kl_coef=0.1),
+    "AdaptiveKLController": lambda: dict(init_kl_coef=0.1, target_kl=0.05, horizon=1000.0),
+    "PPOPaperKLController": lambda: dict(init_kl_coef=0.1, target_kl=0.05),
+    "FixedKLController.update": lambda: dict(current_kl=0.02, n_steps=8),
+    "AdaptiveKLController.update": lambda: dict(current_kl=0.02, n_steps=8),
+    "PPOPaperKLController.update": lambda: dict(current_kl=0.02, n_steps=8),
+    "get_kl_controller": lambda: dict(type="adaptive", kl_coef=0.1, target_kl=0.05, horizon=1000.0),
+    "place_score_on_last_token": lambda: dict(scores=_x()[:, 0], response_mask=_mask()),
+    "clip_reward": lambda: dict(scores=_x()[:, 0], clip_reward_value=5.0),
+    "apply_missing_eos_penalty": lambda: dict(
+        scores=_x()[:, 0], is_truncated=torch.tensor([True, False, True]), penalty=1.0
+    ),
+    "apply_kl_penalty": lambda: dict(
+        token_level_scores=_x(1),
+        old_log_probs=_lp(2),
+        ref_log_prob=_lp(3),
+        response_mask=_mask(),
+        kl_coef=0.1,
+        kl_penalty="k1",
+    ),
+    "compute_rollout_is_weights": lambda: dict(
+        old_log_prob=_lp(1), rollout_log_prob=_lp(2), response_mask=_mask(), threshold=2.0
+    ),
+}
+INSTANCES = {
+    "FixedKLController.update": lambda: kl.FixedKLController(0.1),
+    "AdaptiveKLController.update": lambda: kl.AdaptiveKLController(0.1, 0.05, 1000.0),
+    "PPOPaperKLController.update": lambda: kl.PPOPaperKLController(0.1, 0.05),
+}
+# (function, argument, bad-input label): valid input after all, and why
+VALID = {
+    # a KL estimate (k1) may be negative; the controller moves on it
+    ("FixedKLController.update", "current_kl", "-1"),
+    ("AdaptiveKLController.update", "current_kl", "-1"),
+    ("PPOPaperKLController.update", "current_kl", "-1"),
+    # no truncation at all
+    ("compute_rollout_is_weights", "threshold", "inf"),
+    # None turns the option off
+    *(
+        (f, "loss_scale_factor", "None")
+        for f in ("agg_loss", "compute_policy_loss", "compute_ppo_penalty_loss", "compute_value_loss")
+    ),
+    ("compute_policy_loss", "clip_ratio_low", "None"),
+    ("compute_policy_loss", "clip_ratio_high", "None"),
+    ("compute_policy_loss", "clip_ratio_c", "None"),
+    ("compute_policy_loss", "rollout_is_weights", "None"),
+    ("compute_value_loss", "cliprange_value", "None"),
+    # computing on a meta tensor alone is shape inference: nothing reads a value
+    ("entropy_from_logits", "logits", "meta"),
+    # the raw estimators compute what they are given: kl_penalty, which dispatches to them, checks values
+    *((f, arg, "nan") for f in ("kl_k1", "kl_k2", "kl_k3", "kl_abs") for arg in ("logprob", "ref_logprob")),
+    # any response width goes with (batch,) scores; a micro-batch may be narrower than its mini-batch
+    ("place_score_on_last_token", "response_mask", "shape"),
+    ("agg_loss_weight", "mini_mask", "shape"),
+    # NaN logits give NaN log-probs, which every reader refuses; looking costs a pass over the vocabulary
+    ("logprobs_from_logits", "logits", "nan"),
+    ("entropy_from_logits", "logits", "nan"),
+}
+
+
+def _function(name):
+    for module in MODULES:
+        head, _, method = name.partition(".")
+        if hasattr(module, head) and getattr(getattr(module, head), "__module__", None) == module.__name__:
+            return getattr(getattr(module, head), method) if method else getattr(module, head)
+    raise KeyError(name)
+
+
+def _call(name, kwargs):
+    if name in INSTANCES:
+        return getattr(INSTANCES[name](), name.partition(".")[2])(**kwargs)
+    return _function(name)(**kwargs)
+
+
+def _is_mask(arg):
+    return "mask" in arg or arg == "is_truncated"
+
+
+def _bad_inputs(name):
+    """(argument, label, bad value) for every argument of a valid call of ``name``."""
+    good = GOOD[name]()
+    tensors = [arg for arg, v in good.items() if isinstance(v, torch.Tensor)]
+    for arg, value in good.items():
+        if isinstance(value, torch.Tensor):
+            yield arg, "meta", value.to("meta")
+            if len(tensors) > 1 and arg != tensors[0]:  # against the first tensor
+                yield arg, "shape", torch.cat([value, value[..., :1]], dim=-1)
+            if arg == "labels":
+                yield arg, "dtype", value.double()
+                yield arg, "range", value + 7
+            elif arg == "index":
+                yield arg, "shape", value[:, None]
+            elif _is_mask(arg):
+                yield arg, "0.5", torch.where(value.bool(), 0.5, 0.0)
+                yield arg, "2", value.double() * 2
+            elif value.is_floating_point():
+                yield arg, "nan", value.clone().fill_(math.nan)
+        elif isinstance(value, bool):
+            yield arg, "a string", "false"
+        elif isinstance(value, str):
+            yield arg, "unknown", "no-such-" + value
+        elif isinstance(value, (int, float)) and arg != "axis":
+            for label, bad in (("nan", math.nan), ("inf", math.inf), ("-1", -1.0), ("a string", "0.1"), ("None", None)):
+                yield arg, label, bad
+        elif isinstance(value, list):
+            yield arg, "shape", value[:-1]
+            yield arg, "unhashable", [[v] for v in value]
+    if "axis" in good:
+        yield "axis", "out of range", 2
+    if name == "agg_loss_weight":
+        yield "micro_mask", "wider than the mini-batch", torch.ones(2, T + 1)
+
+
+def _cases():
+    for name in sorted(GOOD):
+        for arg, label, bad in _bad_inputs(name):
+            if (name, arg, label) not in VALID:
+                yield pytest.param(name, arg, label, bad, id=f"{name}-{arg}-{label}")
+
+
+def test_every_public_function_has_a_valid_call():
+    public = {name for module in MODULES for name, _ in _public(module)}
+    assert public == set(GOOD), f"add to GOOD: {sorted(public - set(GOOD))}; gone: {sorted(set(GOOD) - public)}"
+
+
+@pytest.mark.parametrize("name", sorted(GOOD))
+def test_the_valid_call_runs(name):
+    if name == "register_kl_estimator":
+        with pytest.raises(ValueError, match="trailing"):
+            _function(name)("k9+")
+        return
+    out = _call(name, GOOD[name]())
+    for t in out if isinstance(out, tuple) else (out,):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            assert torch.isfinite(t).all(), f"{name}'s valid call gave a non-finite result"
+
+
+@pytest.mark.parametrize("name, arg, label, bad", list(_cases()))
+def test_bad_input_is_a_value_error_naming_it(name, arg, label, bad):
+    kwargs = GOOD[name]() | {arg: bad}
+    with pytest.raises(ValueError) as refused:
+        _call(name, kwargs)
+    message = str(refused.value)
+    assert type(refused.value) in (ValueError, NonFiniteError), message
+    assert message.strip(), name
+
+
+@pytest.mark.parametrize("name, arg, label, bad", [c.values for c in _cases() if c.values[2] in ("nan", "inf")])
+def test_no_bad_number_is_passed_on(name, arg, label, bad):
+    """A refused non-finite input names its argument."""
+    with pytest.raises(ValueError) as refused:
+        _call(name, GOOD[name]() | {arg: bad})
+    assert arg in str(refused.value), str(refused.value)
+
+
+def test_every_kind_of_bad_input_is_tried():
+    """The generator covers each class of the README's promise at least once per module."""
+    labels = {label for name in GOOD for _, label, _ in _bad_inputs(name)}
+    assert {
+        "meta",
+        "shape",
+        "dtype",
+        "range",
+        "0.5",
+        "2",
+        "nan",
+        "inf",
+        "-1",
+        "a string",
+        "None",
+        "unknown",
+        "unhashable",
+        "out of range",
+    } <= labels
+
+
+@pytest.mark.parametrize("name", sorted(set(GOOD) - {"register_kl_estimator"}))
+def test_a_call_reads_the_device_at_most_once(name, monkeypatch):
+    """All value checks of one call, its inner calls' included, share a single host sync."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or tolist(t))
+    _call(name, GOOD[name]())
+    assert len(reads) <= 1, f"{name} read the device {len(reads)} times"
