@@ -23,13 +23,12 @@ from refppo.config import COMMANDS, Config, apply_overrides, declarations, get_v
 from refppo.data import sft_examples, task_data
 from refppo.device import resolve_device
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
+from refppo.memory import SYNTHETIC_RECORD_BYTES, check_fits, rollout_bytes
 from refppo.model_folder import check_model_folder, check_same_tokenizer, check_vocabulary
-from refppo.models import add_lora, freeze, load_causal_lm, load_value_model, prepare_tokenizer, tiny_config
 from refppo.prompts import tokenize_records
 from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary, tensorboard_writer
 from refppo.settings import format_value, ignored_message, ignored_settings, read_settings, valid_text, validate
 from refppo.tasks import preference
-from refppo.tasks.tokenizer import build_tokenizer
 
 
 def settings_help(command: str, config: Config | None = None) -> str:
@@ -83,10 +82,16 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
 
 def load_tokenizer(path: str | None):
     """The tokenizer saved beside a model, or the offline tasks' character tokenizer."""
+    # transformers is imported here and in the commands, not with this module: help and the
+    # settings' refusals then answer without its import time
     if path is not None and os.path.exists(os.path.join(path, "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
+        from refppo.models import prepare_tokenizer
+
         return prepare_tokenizer(AutoTokenizer.from_pretrained(path))
+    from refppo.tasks.tokenizer import build_tokenizer
+
     return build_tokenizer()
 
 
@@ -120,6 +125,24 @@ def checked_tokenizer(config: Config, command: str):
     return tokenizer
 
 
+def check_generation_fits(config: Config, model_config, rows: int, what: str, world: World, device) -> None:
+    """Refuse, before any write, a generation of ``rows`` sequences (over all processes) whose
+    key/value cache alone would not fit this device (:func:`refppo.memory.rollout_bytes`); ``what``
+    names the settings that make ``rows``."""
+    d, per_process = config.data, -(-rows // world.size)
+    need = rollout_bytes(
+        model_config, per_process, d.max_prompt_length, d.max_response_length, 2 if device.type == "cuda" else 4
+    )
+    check_fits(need, device, what)
+
+
+def check_batch_fits(batch_size: int, available: int, setting: str, data: str) -> None:
+    """Refuse a batch larger than its data: ``setting`` (its value ``batch_size``) against the
+    ``available`` records that ``data`` names."""
+    if batch_size > available:
+        raise ValueError(f"{setting}={batch_size} is more than the {available} {data}: make it at most {available}")
+
+
 def _save_model(model, tokenizer, folder: Path, world: World) -> None:
     """``save_pretrained`` of a model and its tokenizer; with several processes the model's shards
     are gathered first and the first process writes."""
@@ -136,7 +159,8 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
     from refppo.accel import select
     from refppo.accel.checkpointing import enable_gradient_checkpointing
     from refppo.accel.logprobs import check_fused_kernels
-    from refppo.sft import train_sft
+    from refppo.models import load_causal_lm, tiny_config
+    from refppo.sft import held_out_score, train_sft
 
     tokenizer = checked_tokenizer(config, "sft")
     m = config.model
@@ -151,6 +175,10 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         enable_gradient_checkpointing(model)
     shard(model, world)
     s, examples = config.sft, sft_examples(config)
+    check_batch_fits(s.batch_size, len(examples), "sft.batch_size", "demonstrations of the task (sft.n_examples)")
+    check_generation_fits(
+        config, model.config, config.data.val_size, "data.val_size (scored after training)", world, device
+    )
     run = make_run()
     train_sft(
         model,
@@ -166,12 +194,15 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         world=world,
     )
     _save_model(model, tokenizer, run.path / "model", world)
+    _, held_out, reward_fn = task_data(config, tokenizer)
+    run.log(s.steps, {"val/score": held_out_score(model, tokenizer, held_out, reward_fn, config.data, world)})
 
 
 def run_rm(config: Config, make_run, world: World, device: torch.device) -> None:
     """``refppo rm``: a reward model from the SFT model (``model.path``) on synthetic comparisons
     (``data.task=preference``); ``make_run()`` as in :func:`run_sft`."""
     from refppo.accel.checkpointing import enable_gradient_checkpointing
+    from refppo.models import load_value_model
     from refppo.reward_model import center_reward_model, train_reward_model
 
     if config.data.task != "preference":
@@ -185,6 +216,8 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
         enable_gradient_checkpointing(rm)
     shard(rm, world)
     r = config.rm
+    check_fits(r.n_pairs * SYNTHETIC_RECORD_BYTES, torch.device("cpu"), f"rm.n_pairs={r.n_pairs}")
+    check_batch_fits(r.batch_size, r.n_pairs, "rm.batch_size", "comparisons (rm.n_pairs)")
     pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
     run = make_run()
     train_reward_model(
@@ -209,14 +242,22 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
+    from transformers import AutoConfig
+
     from refppo.fit import fit
+    from refppo.models import add_lora, freeze, load_causal_lm, load_value_model
     from refppo.reward_fns import check_scores, describe, load_reward_fn
     from refppo.trainer import PPOTrainer
 
     if config.model.path is None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
     tokenizer = checked_tokenizer(config, "ppo")
+    d, model_config = config.data, AutoConfig.from_pretrained(config.model.path)
+    rollout = f"data.train_batch_size={d.train_batch_size} x rollout.n={config.rollout.n}"
+    check_generation_fits(config, model_config, d.train_batch_size * config.rollout.n, rollout, world, device)
+    check_generation_fits(config, model_config, d.val_size, f"data.val_size={d.val_size}", world, device)
     train, val, task_reward = task_data(config, tokenizer)
+    check_batch_fits(d.train_batch_size, len(train), "data.train_batch_size", "training prompts")
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device)
     if config.model.lora_rank > 0:

@@ -120,10 +120,6 @@ TINY_MODEL = {"commands": ("sft",), "needs": FRESH_MODEL, "unread_because": "the
 
 
 def _evaluation_prompts(s: Site) -> str | None:
-    if s.command == "sft":  # refppo sft holds arithmetic problems out of its demonstrations
-        return (
-            None if s.config.data.task == "arithmetic" else "data.task=arithmetic (only it holds out problems for SFT)"
-        )
     if s.config.data.task == "file" and s.config.data.val_files:
         return "data.val_files=null (data.val_files holds the evaluation prompts)"
     return None
@@ -140,10 +136,11 @@ class DataConfig:
     val_files: str | None = setting(None, needs=FILE_TASK)  # None: the first data.val_size training prompts
     prompt_key: str = setting("prompt", needs=FILE_TASK)
     train_batch_size: int = setting(64, COUNT)  # prompts per step
-    # prompts evaluated (arithmetic's are held out of training; preference has only 56)
+    # prompts evaluated (arithmetic's are held out of training; preference has only 56); SFT scores
+    # one greedy response to each, within the two length limits
     val_size: int = setting(200, COUNT, commands=("sft", "ppo"), needs=_evaluation_prompts)
-    max_prompt_length: int = setting(16, COUNT)
-    max_response_length: int = setting(8, COUNT)
+    max_prompt_length: int = setting(16, COUNT, commands=("sft", "ppo"))
+    max_response_length: int = setting(8, COUNT, commands=("sft", "ppo"))
     truncation: str = setting("error", TRUNCATION_MODES)
 
 

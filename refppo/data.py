@@ -9,6 +9,7 @@ import os
 import torch
 
 from refppo.config import Config
+from refppo.memory import SYNTHETIC_RECORD_BYTES, check_fits
 from refppo.prompts import encode_prompts, prompt_problem
 from refppo.tasks import arithmetic, preference
 
@@ -141,10 +142,15 @@ def sft_examples(config: Config) -> list[tuple[str, str]]:
     """(prompt, response) demonstrations of ``data.task`` for ``refppo sft``."""
     if config.data.task == "arithmetic":
         train, _ = arithmetic.make_problems(n_heldout=config.data.val_size)
+        n = config.sft.n_examples
+        if n is not None and n > len(train):
+            raise ValueError(f"sft.n_examples={n} is more than the arithmetic task's {len(train)} training problems")
         teacher_seed = config.trainer.seed
         return arithmetic.make_demonstrations(
             train[: config.sft.n_examples], config.sft.teacher_carry_error, teacher_seed
         )
     if config.data.task == "preference":
-        return preference.make_sft_examples(config.sft.n_examples or 4000, seed=3)
+        n = config.sft.n_examples or 4000
+        check_fits(n * SYNTHETIC_RECORD_BYTES, torch.device("cpu"), f"sft.n_examples={n}")
+        return preference.make_sft_examples(n, seed=3)
     raise ValueError("refppo sft builds its data from data.task=arithmetic or preference")

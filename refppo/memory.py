@@ -10,6 +10,7 @@ on any device, so the arithmetic can be checked on a tiny model.
 from __future__ import annotations
 
 import copy
+import os
 import weakref
 
 import torch
@@ -174,6 +175,55 @@ def activation_bytes(
         layer, layer_wide = _layer_values(config, seq_len)
         values, wide = values + layer, wide + layer_wide
     return tokens * (values * bytes_per_value + wide * (4 - bytes_per_value)) + logit_tokens * config.vocab_size * 4
+
+
+# Bytes of Python objects per record while the preference task makes its comparisons or
+# demonstrations, at their peak (the records and the prompts they come from; tests/test_memory.py).
+SYNTHETIC_RECORD_BYTES = 450
+
+
+def rollout_bytes(config, rows: int, prompt_length: int, response_length: int, bytes_per_value: int = 4) -> int:
+    """Bytes a rollout of ``rows`` sequences holds at least, all rows decoding at once: the key/value
+    cache of every row at full length, and three float32 vocabulary rows per row in the sampling
+    step (the logits, the probabilities and their cumulative sum). A lower bound: the forward
+    passes and the update need more.
+
+    Args:
+        config: a Llama- or Qwen2-style ``PretrainedConfig``.
+        rows: sequences generated together (``data.train_batch_size * rollout.n``).
+        prompt_length, response_length: ``data.max_prompt_length``, ``data.max_response_length``.
+        bytes_per_value: of the cache: 4 for float32, 2 for bf16.
+
+    Returns:
+        Bytes.
+    """
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    cache = 2 * config.num_hidden_layers * kv_heads * head_dim * (prompt_length + response_length) * bytes_per_value
+    return rows * (cache + 3 * config.vocab_size * 4)
+
+
+def machine_bytes(device: torch.device) -> int:
+    """The memory of ``device``: a GPU's total, or the host's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(need: int, device: torch.device, what: str) -> None:
+    """Raise ValueError, before anything is allocated, when ``need`` bytes exceed ``device``'s memory.
+
+    Args:
+        need: an estimate (a lower bound) of the bytes ``what`` needs.
+        device: where it would be allocated.
+        what: the settings responsible, e.g. "data.train_batch_size=64 x rollout.n=1000000".
+    """
+    have = machine_bytes(device)
+    if need > have:
+        raise ValueError(
+            f"{what} needs at least {need / 2**30:.3g} GiB, more than the {have / 2**30:.3g} GiB of this "
+            f"machine's {device.type} memory (estimated by refppo.memory); make it smaller"
+        )
 
 
 def _tensor_bytes(tensors) -> int:

@@ -386,7 +386,9 @@ def summary(path: str | os.PathLike) -> str:
     lines = [f"run {path}: {rows[-1]['step'] if rows else 0} steps"]
     for key in ("val/score", "val/gold"):  # the trained score, and the hidden one beside a reward model
         val = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        if val:
+        if len(val) == 1:
+            lines.append(f"  {key}: {val[0][1]:.4g} (step {val[0][0]})")
+        elif val:
             best = max(val, key=lambda sv: sv[1])
             lines.append(
                 f"  {key}: first {val[0][1]:.4g} (step {val[0][0]}), last {val[-1][1]:.4g} (step {val[-1][0]}), "

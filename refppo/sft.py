@@ -12,10 +12,12 @@ from tqdm.auto import tqdm
 
 from refppo.checks import broken_by_update
 from refppo.data import EpochSampler
-from refppo.distributed import SINGLE, World, all_sum, sum_stats, take_share
+from refppo.distributed import SINGLE, Unsharded, World, all_sum, sum_stats, take_share
 from refppo.forward import LogProbsFn, response_log_probs
+from refppo.generation import generate
 from refppo.losses import agg_loss
-from refppo.prompts import build_batch
+from refppo.prompts import build_batch, decode_texts, tokenize_records
+from refppo.reward_fns import check_scores, describe
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor], log_probs_fn: LogProbsFn = response_log_probs) -> torch.Tensor:
@@ -137,3 +139,24 @@ def train_steps(
         bar.set_postfix({label: f"{metrics[key]:{fmt}}" for label, (key, fmt) in (shown or {}).items()})
     model.eval()
     return history
+
+
+@torch.no_grad()
+def held_out_score(model, tokenizer, records: list[dict], reward_fn, data, world: World = SINGLE) -> float:
+    """Mean score of one greedy response to each held-out record: a model's ``val/score``, which a
+    PPO run from it logs again at step 0.
+
+    Args:
+        model: a causal LM (sharded or not).
+        tokenizer: its tokenizer.
+        records: the held-out records (``task_data``'s second list).
+        reward_fn: ``fn(prompts, responses, records) -> (B,)`` scores.
+        data: the ``data`` settings (prompt encoding, ``max_response_length``).
+        world: the processes; each scores every record.
+    """
+    ids, mask = tokenize_records(tokenizer, records, data)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    with Unsharded(model, world):
+        batch = generate(model, ids, mask, eos, pad, data.max_response_length, do_sample=False)
+    scores = reward_fn(*decode_texts(tokenizer, batch), records)
+    return float(check_scores(scores, len(records), f"reward function {describe(reward_fn)}").mean())

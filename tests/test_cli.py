@@ -42,11 +42,26 @@ def sft_run(tmp_path_factory):
 def test_sft_writes_a_run_folder(sft_run):
     assert json.loads((sft_run / "config.json").read_text())["sft"]["steps"] == 3
     lines = [json.loads(ln) for ln in (sft_run / "metrics.jsonl").read_text().splitlines()]
-    assert [ln["step"] for ln in lines] == [1, 2, 3] and "sft/loss" in lines[0]
+    assert [ln["step"] for ln in lines] == [1, 2, 3, 3] and "sft/loss" in lines[0]
+    assert list(lines[-1]) == ["step", "val/score"], "the held-out score, after the last step"
     assert (sft_run / "model" / "config.json").exists() and (sft_run / "model" / "tokenizer_config.json").exists()
     assert sorted(p.name for p in sft_run.iterdir()) == ["config.json", "metrics.jsonl", "model"], (
         "no empty checkpoints/"
     )
+
+
+def test_the_sft_held_out_score_is_the_ppo_runs_first(tmp_path, capsys):
+    """The SFT summary's held-out score is what a PPO run from its model logs at step 0 (the
+    preference task's gold reward: a continuous score that tells responses apart)."""
+    sft = tmp_path / "sft"
+    task = ["data.task=preference", "data.val_size=16", "data.max_response_length=4", "trainer.progress_bar=false"]
+    assert main(["sft", f"trainer.output_dir={sft}", "sft.steps=3", "sft.batch_size=8", *TINY, *task]) == 0
+    sft_score = json.loads((sft / "metrics.jsonl").read_text().splitlines()[-1])["val/score"]
+    assert f"val/score: {sft_score:.4g} (step 3)" in capsys.readouterr().out
+    out = tmp_path / "ppo"
+    quick = [o for o in QUICK_PPO if o.split("=")[0] not in [t.split("=")[0] for t in task]]
+    assert main(["ppo", f"model.path={sft}/model", f"trainer.output_dir={out}", *quick, *task]) == 0
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["val/score"] == sft_score
 
 
 def test_ppo_run_resume_and_refusal(sft_run, tmp_path, capsys):
@@ -454,6 +469,39 @@ def test_bad_config_and_paths(tmp_path, capsys):
     assert err.startswith("refppo: error: unknown command 'PPO'; commands: sft, rm, ppo, plot\nusage:"), err
 
 
+@pytest.mark.parametrize(
+    "command, extra, message",
+    [
+        ("ppo", ["rollout.n=1000000"], r"data.train_batch_size=8 x rollout.n=1000000 needs at least .* GiB, more than"),
+        ("ppo", ["data.task=preference", "data.val_size=1000000000"], r"data.val_size=1000000000 needs at least"),
+        (
+            "ppo",
+            ["data.task=preference", "data.train_batch_size=4004", "actor.ppo_mini_batch_size=4004"],
+            "4004 is more than the 4000 training prompts",
+        ),
+        (
+            "sft",
+            ["sft.batch_size=1000000000000000000000000000000"],
+            "sft.batch_size=1000000000000000000000000000000 is",
+        ),
+        ("sft", ["sft.n_examples=100000000"], "sft.n_examples=100000000 is more than the arithmetic task's"),
+        ("sft", ["data.task=preference", "sft.n_examples=1000000000"], r"sft.n_examples=1000000000 needs at least"),
+        ("rm", ["rm.n_pairs=1000000000"], r"rm.n_pairs=1000000000 needs at least"),
+        ("rm", ["rm.n_pairs=10"], r"rm.batch_size=64 is more than the 10 comparisons"),
+    ],
+)
+def test_sizes_beyond_the_data_or_the_memory_are_refused_before_any_write(sft_run, tmp_path, command, extra, message):
+    out = tmp_path / "run"
+    task = ["data.task=preference"] if command == "rm" else []
+    source = [] if command == "sft" and "data.task=preference" not in extra else [f"model.path={sft_run}/model"]
+    quick = (
+        [o for o in QUICK_PPO if o.split("=")[0] not in [e.split("=")[0] for e in extra]] if command == "ppo" else []
+    )
+    with pytest.raises(ValueError, match=message):
+        main([command, f"trainer.output_dir={out}", *source, *task, *quick, *extra])
+    assert not out.exists()
+
+
 def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path, monkeypatch, capsys):
     from refppo.cli import entry
 
@@ -586,3 +634,17 @@ def test_a_missing_optional_package_is_named_before_the_run_folder_exists(sft_ru
 def test_an_sft_learning_rate_that_breaks_the_weights_stops_at_its_step(tmp_path):
     with pytest.raises(FloatingPointError, match="sft step 2: .*contains NaN or inf.*sft.lr"):
         main(["sft", f"trainer.output_dir={tmp_path}/run", "sft.steps=2", "sft.batch_size=4", "sft.lr=1e10", *TINY])
+
+
+def test_help_and_refusals_do_not_import_transformers():
+    """transformers takes seconds to import: the command imports it only to load a model, so
+    `--help` and the settings' refusals answer without it."""
+    code = (
+        "import sys\nfrom refppo.cli import main\n"
+        "try:\n    main(['ppo', 'actor.optim.lr=-1'])\nexcept ValueError as e:\n    assert 'optim.lr' in str(e)\n"
+        "assert main(['ppo', '--help']) == 0\n"
+        "print('transformers' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout

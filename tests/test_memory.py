@@ -6,16 +6,19 @@ import torch
 from refppo.accel.checkpointing import enable_gradient_checkpointing
 from refppo.forward import response_log_probs
 from refppo.memory import (
+    SYNTHETIC_RECORD_BYTES,
     PeakMeter,
     activation_bytes,
     activation_values_per_token,
     float32_values_per_token,
     held_bytes,
     param_count,
+    rollout_bytes,
     state_bytes,
 )
 from refppo.models import load_causal_lm, load_value_model, tiny_config
-from refppo.prompts import build_batch
+from refppo.prompts import build_batch, tokenize_prompts
+from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()
@@ -204,3 +207,38 @@ def test_a_checkpointed_update_peaks_near_the_layers_inputs_and_one_layer():
     assert act[True] == inputs + layer + rows_bytes
     bound = act[True] + held_bytes(model)["gradients"] + tokens * config.hidden_size * 4
     assert inputs + max(layer, rows_bytes) < meter.peak < bound < act[False], (meter.peak, act, bound)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_rollout_needs_at_least_its_estimate_and_not_much_more(arch):
+    """rollout_bytes is a lower bound of generate's peak (the refusal of an impossible size never
+    refuses a possible one), and within 4x of it: transformers' dynamic cache grows by
+    concatenation, so its last step holds the old and the new cache at once (3x measured)."""
+    from refppo.generation import generate
+
+    config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=2)
+    model = load_causal_lm(config, TOK)
+    prompts = ["1+2=", "34+5=", "6+78=", "9+0="] * 4
+    ids, mask = tokenize_prompts(TOK, prompts)
+    new = 12
+    with torch.no_grad(), PeakMeter() as meter:
+        generate(model, ids, mask, TOK.eos_token_id, TOK.pad_token_id, new, ignore_eos=True)
+    estimate = rollout_bytes(config, len(prompts), ids.shape[1], new)
+    assert estimate <= meter.peak <= 4 * estimate, (estimate, meter.peak)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda n: preference.make_comparisons(n, seed=1), lambda n: preference.make_sft_examples(n, seed=1)]
+)
+def test_the_synthetic_records_take_about_their_estimate(make):
+    """SYNTHETIC_RECORD_BYTES bounds the peak of making the preference task's records, and is not
+    loose by more than 2x (a refusal it makes is of a size that would not fit)."""
+    import tracemalloc
+
+    n = 5000
+    tracemalloc.start()
+    records = make(n)
+    peak = tracemalloc.get_traced_memory()[1] / n
+    tracemalloc.stop()
+    assert len(records) == n
+    assert SYNTHETIC_RECORD_BYTES / 2 <= peak <= SYNTHETIC_RECORD_BYTES, peak
