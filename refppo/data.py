@@ -64,8 +64,9 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
     Every problem is found here, before any training, and named by file and line (row for
     Parquet): a missing file or a folder, bytes that are not UTF-8, a line that is not JSON, a
     record without the prompt or with one that is neither a text nor a chat, and, given
-    ``tokenizer``, a chat it has no template for and, given ``max_prompt_length`` too, a prompt
-    with more tokens than that (``data.truncation=error``).
+    ``tokenizer``, a chat it has no template for or that its template refuses (a role it does not
+    know) and, given ``max_prompt_length`` too, a prompt with more tokens than that
+    (``data.truncation=error``).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(f"dataset path {path!r} is a folder; give a .jsonl or .parquet file")
@@ -104,10 +105,10 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
             rec[prompt_key] = rec[prompt_key].tolist()
         if (problem := prompt_problem(rec[prompt_key], tokenizer)) is not None:
             raise ValueError(f"{where}: the record's {prompt_key!r} {problem} (data.prompt_key)")
-    if tokenizer is not None and max_prompt_length is not None:
-        ids = encode_prompts(tokenizer, [rec[prompt_key] for _, rec in located])
+    if tokenizer is not None:  # renders every chat, so a template's refusal is named here
+        ids = encode_prompts(tokenizer, [rec[prompt_key] for _, rec in located], [where for where, _ in located])
         for (where, _), length in zip(located, map(len, ids)):
-            if length > max_prompt_length:
+            if max_prompt_length is not None and length > max_prompt_length:
                 raise ValueError(
                     f"{where}: the prompt has {length} tokens, more than data.max_prompt_length={max_prompt_length} "
                     "(raise it, or set data.truncation=left or right)"

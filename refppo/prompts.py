@@ -14,7 +14,6 @@ response token ``t``: its logits predict token ``t`` and its value is ``values[:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -67,7 +66,7 @@ def prompt_problem(prompt, tokenizer=None) -> str | None:
     return None
 
 
-def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: Sequence, names: Sequence[str] | None = None) -> list[list[int]]:
     """The token ids of each prompt, as verl's rollout builds them.
 
     A text is encoded with the tokenizer's special tokens (a BOS where the tokenizer adds one). A
@@ -78,16 +77,20 @@ def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
     Args:
         tokenizer: a Hugging Face tokenizer; chats need its ``chat_template``.
         prompts: N texts or chats (see :func:`prompt_problem`), in any mix.
+        names: N names of the prompts for errors (e.g. "file.jsonl:3"); None: "prompt i".
 
     Returns:
         N lists of token ids.
+
+    Raises:
+        ValueError: naming the prompt: not a text or a chat, or a chat its template refuses.
     """
-    for i, prompt in enumerate(prompts):
+    names = names or [f"prompt {i}" for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts):
         if (problem := prompt_problem(prompt, tokenizer)) is not None:
-            raise ValueError(f"prompt {i} {problem}")
+            raise ValueError(f"{name} {problem}")
     chats = [not isinstance(p, str) for p in prompts]
-    render = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True, tokenize=False)
-    texts = [render(list(p)) if chat else p for p, chat in zip(prompts, chats)]
+    texts = [_render_chat(tokenizer, p, name) if chat else p for p, chat, name in zip(prompts, chats, names)]
     ids: list[list[int]] = [[] for _ in prompts]
     for chat in (False, True):  # one tokenizer call for the texts, one for the chats
         rows = [i for i, c in enumerate(chats) if c == chat]
@@ -95,6 +98,18 @@ def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
             for i, seq in zip(rows, tokenizer([texts[i] for i in rows], add_special_tokens=not chat)["input_ids"]):
                 ids[i] = seq
     return ids
+
+
+def _render_chat(tokenizer, chat: Sequence[dict], name: str) -> str:
+    """A chat rendered by the tokenizer's template with the assistant's turn opened; a template's
+    refusal (e.g. of a role it does not know) becomes a ValueError naming the prompt and its roles."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=False)
+    except TemplateError as error:
+        roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in chat))
+        raise ValueError(f"{name}: the tokenizer's chat template refuses this chat (roles: {roles}): {error}") from None
 
 
 def tokenize_prompts(

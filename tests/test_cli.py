@@ -32,6 +32,12 @@ QUICK_PPO = [
 FILE_PPO = [o for o in QUICK_PPO if o != "data.val_size=8"]  # data.val_files would leave data.val_size unread (refused)
 
 
+def logged(run, key: str) -> list:
+    """The values of ``key`` in a run folder's metrics.jsonl, in order (rows without it skipped)."""
+    rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return [r[key] for r in rows if key in r]
+
+
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "sft"
@@ -207,7 +213,7 @@ def returns_none(prompts, responses, records):
         (
             ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_strings"],
             ValueError,
-            "reward function test_cli:returns_strings returned a list; expected 1 numbers",
+            "reward function test_cli:returns_strings returned a list; expected 2 numbers",
         ),
         (
             ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_none"],
@@ -243,7 +249,7 @@ def returns_none(prompts, responses, records):
 def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_path, extra, error, message):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json}\n')
     (tmp_path / "nokey.jsonl").write_text('{"question": "1+1="}\n')
-    (tmp_path / "good.jsonl").write_text('{"prompt": "1+1="}\n')
+    (tmp_path / "good.jsonl").write_text('{"prompt": "1+1="}\n' * 8)  # a batch of 8
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "1+1="}\n{"prompt": "café"}\n'.encode("latin-1"))
     (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n\n{"prompt": "' + "1+" * 10 + '1="}\n')
     (tmp_path / "folder.jsonl").mkdir()
@@ -283,10 +289,7 @@ def test_sft_with_fused_kernels_gives_the_same_run(sft_run, tmp_path, monkeypatc
         )
         == 0
     )
-    losses = [
-        [json.loads(ln)["sft/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
-        for run in (sft_run, out)
-    ]
+    losses = [logged(run, "sft/loss") for run in (sft_run, out)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
     assert seen and all(seen), "the flag must reach the loss"
 
@@ -312,9 +315,7 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
     runs = [tmp_path / "plain", tmp_path / "checkpointed"]
     for out, flag in zip(runs, ("false", "true")):
         assert main([command, f"trainer.output_dir={out}", f"model.enable_gradient_checkpointing={flag}", *args]) == 0
-    losses = [
-        [json.loads(ln)[f"{command}/loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in runs
-    ]
+    losses = [logged(run, f"{command}/loss") for run in runs]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
     assert seen == ["LlamaForCausalLM" if command == "sft" else "LlamaForTokenClassification"]
 
@@ -381,11 +382,6 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
             "sft",
             ["sft.teacher_carry_error=0.5"],
             r"refppo sft: sft.teacher_carry_error=0.5 is ignored: .* read only with data.task=arithmetic",
-        ),
-        (
-            "sft",
-            ["data.val_size=10"],
-            r"refppo sft: data.val_size=10 is ignored: .* read only with data.task=arithmetic \(only it holds out",
         ),
     ],
 )

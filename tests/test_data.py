@@ -69,6 +69,24 @@ def test_chat_prompts_are_checked_at_load_time(tmp_path):
         load_records(path, "prompt", tok, n - 1)
 
 
+def test_a_chat_the_template_refuses_is_named_by_file_line_and_roles(tmp_path):
+    """A role the chat template does not know (its raise_exception, as Llama's and Qwen's
+    templates have) is refused at load time, with or without a length limit."""
+    tok = chat_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+        "{{ raise_exception('roles must be user or assistant') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    tool = {"prompt": [{"role": "user", "content": "1+1="}, {"role": "tool", "content": "2"}]}
+    path = write_jsonl(tmp_path / "roles.jsonl", [*CHAT_RECORDS[:2], tool])
+    for limit in (None, 32):
+        with pytest.raises(
+            ValueError, match=r"roles.jsonl:3: the tokenizer's chat template refuses this chat \(roles: user, tool\)"
+        ):
+            load_records(path, "prompt", tok, limit)
+    assert len(load_records(write_jsonl(tmp_path / "ok.jsonl", CHAT_RECORDS), "prompt", tok)) == 3
+
+
 def test_damaged_files_are_refused_in_one_line_naming_them(tmp_path):
     import pandas as pd
 
