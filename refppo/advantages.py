@@ -124,12 +124,17 @@ def _group_ids(index: Sequence | torch.Tensor, batch: int, device: torch.device)
 
 
 def _group_scores(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, min_valid: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row outcome scores and, per row, its group's count, sum and sum of squared deviations."""
+    """Per-row outcome scores and, per row, its group's count, sum and sum of squared deviations
+    (the inputs checked, with at least ``min_valid`` valid tokens)."""
     check_ndim("token_level_rewards", token_level_rewards, 2)
     check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    check_values(masks={"response_mask": response_mask}, finite={"token_level_rewards": token_level_rewards})
+    check_values(
+        masks={"response_mask": response_mask},
+        finite={"token_level_rewards": token_level_rewards},
+        min_valid=("response_mask", response_mask, min_valid) if min_valid else None,
+    )
     scores = token_level_rewards.to(_work_dtype(token_level_rewards)).sum(dim=-1)
     ids, n_groups = _group_ids(index, scores.shape[0], scores.device)
     count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
@@ -137,6 +142,11 @@ def _group_scores(
     mean = total / count
     sq_dev = torch.zeros_like(count).index_add_(0, ids, (scores - mean[ids]) ** 2)
     return scores, count[ids], total[ids], sq_dev[ids]
+
+
+def _group_mean(n: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Each row's group mean from its group's count and sum; a group of one has mean 0 (verl's rule)."""
+    return torch.where(n == 1, torch.zeros_like(total), total / n)
 
 
 @register_adv_est("grpo")
@@ -168,10 +178,8 @@ def compute_grpo_outcome_advantage(
     check_number("epsilon", epsilon, "[0, inf)")
     check_flag("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
     scores, n, total, sq_dev = _group_scores(token_level_rewards, response_mask, index)
-    single = n == 1
-    mean = torch.where(single, torch.zeros_like(total), total / n)
-    std = torch.where(single, torch.ones_like(total), torch.sqrt(sq_dev / (n - 1).clamp(min=1)))
-    adv = scores - mean
+    std = torch.where(n == 1, torch.ones_like(total), torch.sqrt(sq_dev / (n - 1).clamp(min=1)))
+    adv = scores - _group_mean(n, total)
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + epsilon)
     adv = adv.unsqueeze(-1) * response_mask
@@ -202,5 +210,96 @@ def compute_rloo_outcome_advantage(
     scores, n, total, _ = _group_scores(token_level_rewards, response_mask, index)
     loo_mean = (total - scores) / (n - 1).clamp(min=1)
     adv = torch.where(n == 1, scores, scores - loo_mean)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_est("reinforce_plus_plus")
+@torch.no_grad()
+@checks_once
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): each token's discounted return, whitened over the batch; no critic,
+    no groups (verl 0.9's ``reinforce_plus_plus``).
+
+    G_t = r_t + gamma * G_{t+1}, where "t+1" is the next position with mask 1; a masked position
+    carries the running return through, as in GAE. The per-token KL of ``use_kl_in_reward`` is
+    part of r_t, which is how REINFORCE++ keeps near the reference.
+
+    Args:
+        token_level_rewards: (batch, T) rewards.
+        response_mask: (batch, T) 0/1, at least 2 ones in the batch (for whitening).
+        gamma: discount in [0, 1].
+
+    Returns:
+        advantages: (batch, T) the returns whitened over the mask, 0 at masked positions.
+        returns: (batch, T) G_t at valid positions, 0 elsewhere.
+    """
+    check_ndim("token_level_rewards", token_level_rewards, 2)
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_number("gamma", gamma, "[0, 1]")
+    check_values(
+        masks={"response_mask": response_mask},
+        finite={"token_level_rewards": token_level_rewards},
+        min_valid=("response_mask", response_mask, 2),
+    )
+    r = token_level_rewards.to(_work_dtype(token_level_rewards))
+    m = response_mask.to(r.dtype)
+    running, returns = 0.0, torch.zeros_like(r)
+    for t in reversed(range(r.shape[1])):
+        g = r[:, t] + gamma * running
+        returns[:, t] = g * m[:, t]
+        running = g * m[:, t] + (1 - m[:, t]) * running
+    return masked_whiten(returns, m) * m, returns
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+@torch.no_grad()
+@checks_once
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu 2025): each response's score minus its group's mean, on every
+    valid token, then whitened over the batch (verl 0.9's ``reinforce_plus_plus_baseline``). A
+    group of one keeps its raw score (mean 0, verl's rule).
+
+    Args:
+        token_level_rewards: (batch, T); the score is the row sum.
+        response_mask: (batch, T) 0/1, at least 2 ones in the batch (for whitening).
+        index: (batch,) group labels: a list of hashables or a tensor.
+
+    Returns:
+        advantages, returns: both (batch, T), 0 at masked positions.
+    """
+    scores, n, total, _ = _group_scores(token_level_rewards, response_mask, index, min_valid=2)
+    centred = scores - _group_mean(n, total)
+    m = response_mask.to(centred.dtype)
+    adv = masked_whiten(centred.unsqueeze(-1) * m, m) * m
+    return adv, adv
+
+
+@register_adv_est("gpg")
+@torch.no_grad()
+@checks_once
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025): each response's score minus its group's mean, scaled by
+    alpha = batch / (responses with a nonzero score), which undoes the dilution of the gradient by
+    responses that carry no signal (verl 0.9's ``gpg``, whose ``f_norm`` is 1). A group of one keeps
+    its raw score.
+
+    Args:
+        token_level_rewards: (batch, T); the score is the row sum.
+        response_mask: (batch, T) 0/1.
+        index: (batch,) group labels: a list of hashables or a tensor.
+
+    Returns:
+        advantages, returns: both (batch, T), the per-row advantage on every valid token.
+    """
+    scores, n, total, _ = _group_scores(token_level_rewards, response_mask, index)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    adv = alpha * (scores - _group_mean(n, total))
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv

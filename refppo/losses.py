@@ -129,6 +129,16 @@ register_policy_loss = POLICY_LOSSES.register
 get_policy_loss_fn = POLICY_LOSSES.get
 
 
+def _clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
+    """(low, high): each side's epsilon, ``clip_ratio`` where it is None, checked."""
+    check_number("clip_ratio", clip_ratio, "[0, 1)")
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    check_number("clip_ratio_low", low, "[0, 1)")
+    check_number("clip_ratio_high", high, "[0, inf)")
+    return low, high
+
+
 @register_policy_loss("clip")
 @checks_once
 def compute_policy_loss(
@@ -172,11 +182,7 @@ def compute_policy_loss(
         old_log_prob - log_prob (k1 estimate of KL(old || new)); ``actor/pg_clipfrac_lower``, the
         fraction of valid tokens with A < 0 capped by the dual clip.
     """
-    check_number("clip_ratio", clip_ratio, "[0, 1)")
-    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    check_number("clip_ratio_low", low, "[0, 1)")
-    check_number("clip_ratio_high", high, "[0, inf)")
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None:
         check_number("clip_ratio_c", clip_ratio_c, "(1, inf)")
     extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
@@ -247,6 +253,135 @@ def compute_ppo_penalty_loss(
     kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)
     loss = _agg_loss(-advantages * ratio + penalty_kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, {"actor/ppo_kl": masked_mean(kl, response_mask).detach()}
+
+
+@register_policy_loss("gspo")
+@checks_once
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025): PPO's clipped loss with one ratio per sequence (verl 0.9's ``gspo``).
+
+    s_i = exp(mean over the valid tokens of log pi_theta - log pi_old), the geometric mean of the
+    token ratios; each token carries s_i * pi_theta / sg(pi_theta) (the value s_i, the gradient
+    of its own log-prob times s_i), clamped at exp(10), in max(-A * s, -A * clip(s, 1 - low,
+    1 + high)). Aggregated with seq-mean-token-mean, as verl does whatever ``loss_agg_mode`` says
+    (refppo's config requires that mode with this loss).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
+        clip_ratio, clip_ratio_low, clip_ratio_high: the clip's epsilons (GSPO's paper uses 3e-4
+            and 4e-4: the ratio is a per-token geometric mean).
+        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
+
+    Returns:
+        pg_loss: scalar.
+        metrics: ``actor/pg_clipfrac`` (tokens whose clipped term was active), ``actor/ppo_kl``
+        and ``actor/pg_clipfrac_lower`` (0: no dual clip), as verl logs them.
+    """
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
+    log_ratio = log_prob - old_log_prob
+    lengths = response_mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths
+    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    seq_ratio = torch.exp(log_seq_ratio)
+    pg_losses1 = -advantages * seq_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    pg_loss = _agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": torch.zeros((), device=pg_loss.device),
+    }
+    return pg_loss, {k: v.detach() for k, v in metrics.items()}
+
+
+@register_policy_loss("cispo")
+@checks_once
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025): REINFORCE weighted by the clipped importance ratio, with no gradient
+    through the ratio (verl 0.9's ``cispo``): -sg(clip(ratio, 1 - low, 1 + high)) * A * log pi_theta.
+    Unlike PPO's clip, a clipped token still gets a gradient, at the bounded weight.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
+        clip_ratio, clip_ratio_low, clip_ratio_high: the weight's bounds.
+        loss_agg_mode, loss_scale_factor: see agg_loss.
+        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
+
+    Returns:
+        pg_loss: scalar.
+        metrics: ``actor/pg_clipfrac`` (tokens whose ratio was clipped), ``actor/ppo_kl`` and
+        ``actor/pg_clipfrac_lower`` (0).
+    """
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - low, 1 + high)
+    pg_losses = -clipped.detach() * advantages * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((ratio != clipped).float(), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": torch.zeros((), device=pg_loss.device),
+    }
+    return pg_loss, {k: v.detach() for k, v in metrics.items()}
+
+
+@register_policy_loss("gpg")
+@checks_once
+def compute_policy_loss_gpg(
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG (Chu et al. 2025): plain policy gradient, -A * log pi_theta, with no ratio and no clip
+    (verl 0.9's ``gpg``); it pairs with the ``gpg`` advantage estimator.
+
+    Args:
+        log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
+        loss_agg_mode, loss_scale_factor: see agg_loss.
+        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
+
+    Returns:
+        pg_loss: scalar, and no metrics (verl logs none for it).
+    """
+    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    _check_loss_inputs(response_mask, log_prob=log_prob, advantages=advantages, **extra)
+    pg_losses = -log_prob * advantages
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    return _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), {}
 
 
 @checks_once

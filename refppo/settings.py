@@ -212,9 +212,15 @@ def _check_combinations(config: Config) -> None:
         "takes no weights",
     )
     _require(
-        alg.adv_estimator != "gae" or d.train_batch_size * r.n >= 2,
-        "algorithm.adv_estimator=gae whitens the advantages over the batch's response tokens, and a batch of one "
-        "response (data.train_batch_size x rollout.n = 1) holds one token whenever it is only EOS: use >= 2 responses",
+        alg.adv_estimator not in ("gae", "reinforce_plus_plus") or d.train_batch_size * r.n >= 2,
+        f"algorithm.adv_estimator={alg.adv_estimator} whitens the advantages over the batch's response tokens, and a "
+        "batch of one response (data.train_batch_size x rollout.n = 1) holds one token whenever it is only EOS: "
+        "use >= 2 responses",
+    )
+    _require(
+        a.policy_loss != "gspo" or a.loss_agg_mode == "seq-mean-token-mean",
+        "actor.policy_loss=gspo averages its loss over each sequence's tokens, then over the sequences (verl does "
+        "so whatever its loss_agg_mode says): set actor.loss_agg_mode=seq-mean-token-mean",
     )
     _require(
         not ADV_ESTIMATORS.takes(alg.adv_estimator, "index") or r.n >= 2,

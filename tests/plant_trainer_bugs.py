@@ -132,8 +132,8 @@ BUGS = [
     (
         "losses.py",
         "clip loss: bounds swapped",
-        "torch.clamp(ratio, 1 - low, 1 + high)",
-        "torch.clamp(ratio, 1 - high, 1 + low)",
+        "-advantages * torch.clamp(ratio, 1 - low, 1 + high)",
+        "-advantages * torch.clamp(ratio, 1 - high, 1 + low)",
     ),
     (
         "losses.py",
@@ -168,6 +168,51 @@ BUGS += [  # the plain formulas
         "log_probs.append(logp)",
     ),
     ("forward.py", "values one position late", "logits[:, -width - 1 : -1, 0]", "logits[:, -width:, 0]"),
+]
+BUGS += [  # the estimators and losses from verl 0.9's registry
+    ("advantages.py", "REINFORCE++: a masked token's return kept", "returns[:, t] = g * m[:, t]", "returns[:, t] = g"),
+    (
+        "advantages.py",
+        "REINFORCE++: a masked token not skipped",
+        "running = g * m[:, t] + (1 - m[:, t]) * running",
+        "running = g",
+    ),
+    (
+        "advantages.py",
+        "REINFORCE++-baseline: no baseline",
+        "centred = scores - _group_mean(n, total)",
+        "centred = scores",
+    ),
+    (
+        "advantages.py",
+        "GPG: alpha left out",
+        "alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)",
+        "alpha = 1.0",
+    ),
+    (
+        "losses.py",
+        "GSPO: the sequence's summed log-ratio, not its mean",
+        "seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths",
+        "seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1)",
+    ),
+    (
+        "losses.py",
+        "GSPO: the gradient through the sequence ratio",
+        "log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)",
+        "log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)",
+    ),
+    (
+        "losses.py",
+        "CISPO: the gradient through the weight",
+        "-clipped.detach() * advantages * log_prob",
+        "-clipped * advantages * log_prob",
+    ),
+    (
+        "losses.py",
+        "GPG loss: ascending the loss",
+        "pg_losses = -log_prob * advantages",
+        "pg_losses = log_prob * advantages",
+    ),
 ]
 BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
     (
@@ -295,6 +340,7 @@ if __name__ == "__main__":
             "tests/test_trainer_wiring.py",
             "tests/test_registry.py",
             "tests/test_losses.py",
+            "tests/test_verl_algorithms.py",
             "tests/test_forward.py",
             "tests/test_generation.py",
             "tests/test_functional.py",

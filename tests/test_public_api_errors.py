@@ -81,6 +81,15 @@ GOOD = {
     "compute_rloo_outcome_advantage": lambda: dict(
         token_level_rewards=_x(1), response_mask=_mask(), index=torch.tensor([0, 0, 1])
     ),
+    "compute_reinforce_plus_plus_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1), response_mask=_mask(), gamma=0.99
+    ),
+    "compute_reinforce_plus_plus_baseline_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1), response_mask=_mask(), index=["a", "a", "b"]
+    ),
+    "compute_gpg_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1), response_mask=_mask(), index=torch.tensor([0, 0, 1])
+    ),
     "needs_critic": lambda: dict(adv_estimator="gae"),
     "agg_loss": lambda: dict(
         loss_mat=_x(), loss_mask=_mask(), loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=8.0
@@ -97,6 +106,25 @@ GOOD = {
     ),
     "compute_ppo_penalty_loss": lambda: _pair(
         penalty_kl_coef=0.1, penalty_kl_type="k3", loss_agg_mode="token-mean", loss_scale_factor=8.0
+    ),
+    "compute_policy_loss_gspo": lambda: _pair(
+        clip_ratio=0.2, clip_ratio_low=3e-4, clip_ratio_high=4e-4, rollout_is_weights=_x(4).abs()
+    ),
+    "compute_policy_loss_cispo": lambda: _pair(
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode="token-mean",
+        rollout_is_weights=_x(4).abs(),
+        loss_scale_factor=8.0,
+    ),
+    "compute_policy_loss_gpg": lambda: dict(
+        log_prob=_lp(2),
+        advantages=_x(3),
+        response_mask=_mask(),
+        loss_agg_mode="token-mean",
+        rollout_is_weights=_x(4).abs(),
+        loss_scale_factor=8.0,
     ),
     "compute_value_loss": lambda: dict(
         vpreds=_x(1),
@@ -157,10 +185,14 @@ VALID = {
         (f, "loss_scale_factor", "None")
         for f in ("agg_loss", "compute_policy_loss", "compute_ppo_penalty_loss", "compute_value_loss")
     ),
-    ("compute_policy_loss", "clip_ratio_low", "None"),
-    ("compute_policy_loss", "clip_ratio_high", "None"),
     ("compute_policy_loss", "clip_ratio_c", "None"),
-    ("compute_policy_loss", "rollout_is_weights", "None"),
+    *(
+        (f, arg, "None")
+        for f in ("compute_policy_loss", "compute_policy_loss_gspo", "compute_policy_loss_cispo")
+        for arg in ("clip_ratio_low", "clip_ratio_high", "rollout_is_weights")
+    ),
+    ("compute_policy_loss_gpg", "rollout_is_weights", "None"),
+    *((f, "loss_scale_factor", "None") for f in ("compute_policy_loss_cispo", "compute_policy_loss_gpg")),
     ("compute_value_loss", "cliprange_value", "None"),
     # computing on a meta tensor alone is shape inference: nothing reads a value
     ("entropy_from_logits", "logits", "meta"),

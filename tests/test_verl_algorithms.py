@@ -1,0 +1,302 @@
+"""The estimators and losses added from verl 0.9's registry: REINFORCE++, REINFORCE++-baseline and
+GPG (estimators), GSPO, CISPO and GPG (losses). Each against a plain float64 reference written
+from verl's formula, on random inputs with padding and holes, and with a property its paper
+states."""
+
+import math
+
+import pytest
+import torch
+
+from refppo.advantages import (
+    ADV_ESTIMATORS,
+    compute_gae_advantage_return,
+    compute_gpg_outcome_advantage,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+)
+from refppo.losses import (
+    POLICY_LOSSES,
+    compute_policy_loss,
+    compute_policy_loss_cispo,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+)
+
+B, T = 6, 7
+
+
+def _inputs(seed, holes=True):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64) * mask
+    if holes:  # masked tokens inside a response (a tool's output in multi-turn data): their rewards unread
+        mask[0, 2:4] = 0.0
+    return g, rewards, mask
+
+
+def _whiten(rows, mask):
+    """verl's masked_whiten on nested lists: unbiased variance, rsqrt(var + 1e-8)."""
+    valid = [x for row, m in zip(rows, mask) for x, k in zip(row, m) if k]
+    mean = sum(valid) / len(valid)
+    var = sum((x - mean) ** 2 for x in valid) / len(valid) * len(valid) / (len(valid) - 1)
+    return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
+
+
+def _group_means(scores, index):
+    groups = {}
+    for s, i in zip(scores, index):
+        groups.setdefault(i, []).append(s)
+    return [0.0 if len(groups[i]) == 1 else sum(groups[i]) / len(groups[i]) for i in index]
+
+
+# ---- estimators ------------------------------------------------------------------------
+
+
+def ref_reinforce_plus_plus(rewards, mask, gamma):
+    returns = []
+    for r, m in zip(rewards.tolist(), mask.tolist()):
+        running, row = 0.0, [0.0] * T
+        for t in reversed(range(T)):
+            if m[t]:
+                running = r[t] + gamma * running
+                row[t] = running
+        returns.append(row)
+    adv = [[a * k for a, k in zip(row, m)] for row, m in zip(_whiten(returns, mask.tolist()), mask.tolist())]
+    return adv, returns
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_is_verls(seed, gamma):
+    _, rewards, mask = _inputs(seed)
+    adv, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma)
+    want_adv, want_ret = ref_reinforce_plus_plus(rewards, mask, gamma)
+    torch.testing.assert_close(ret, torch.tensor(want_ret, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_reinforce_plus_plus_returns_are_gae_with_no_critic():
+    """REINFORCE++'s returns are GAE's with V = 0 and lambda = 1 (Monte Carlo returns), on the
+    valid tokens."""
+    _, rewards, mask = _inputs(11)
+    _, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.95)
+    _, gae_returns = compute_gae_advantage_return(rewards, torch.zeros_like(rewards), mask, 0.95, 1.0)
+    torch.testing.assert_close(ret, gae_returns * mask)
+
+
+def ref_baseline(rewards, mask, index):
+    scores = rewards.sum(-1).tolist()
+    centred = [s - mu for s, mu in zip(scores, _group_means(scores, index))]
+    rows = [[c * k for k in m] for c, m in zip(centred, mask.tolist())]
+    return [[a * k for a, k in zip(row, m)] for row, m in zip(_whiten(rows, mask.tolist()), mask.tolist())]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reinforce_plus_plus_baseline_is_verls(seed):
+    _, rewards, mask = _inputs(seed)
+    index = ["a", "a", "b", "b", "b", "c"]  # "c": a group of one keeps its raw score
+    adv, ret = compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, index)
+    torch.testing.assert_close(adv, torch.tensor(ref_baseline(rewards, mask, index), dtype=torch.float64))
+    assert ret is adv
+
+
+def test_reinforce_plus_plus_baseline_teaches_nothing_where_a_group_agrees():
+    _, rewards, mask = _inputs(3, holes=False)
+    rewards = torch.zeros_like(rewards)
+    rewards[:, 0] = torch.tensor([1.0, 1.0, -2.0, -2.0, 0.5, 0.5])
+    adv, _ = compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, [0, 0, 1, 1, 2, 2])
+    assert adv.abs().max() == 0
+
+
+def ref_gpg(rewards, mask, index):
+    scores = rewards.sum(-1).tolist()
+    alpha = len(scores) / max(sum(s != 0 for s in scores), 1)
+    return [[alpha * (s - mu) * k for k in m] for s, mu, m in zip(scores, _group_means(scores, index), mask.tolist())]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gpg_advantage_is_verls(seed):
+    _, rewards, mask = _inputs(seed)
+    rewards[1] = 0.0  # a response with no signal: alpha = 6 / 5
+    index = torch.tensor([0, 0, 1, 1, 1, 2])
+    adv, ret = compute_gpg_outcome_advantage(rewards, mask, index)
+    torch.testing.assert_close(adv, torch.tensor(ref_gpg(rewards, mask, index.tolist()), dtype=torch.float64))
+    assert ret is adv
+
+
+def test_gpg_with_every_score_nonzero_is_dr_grpo():
+    """alpha = 1 when no response scores 0: GPG's advantage is GRPO's without the std (Dr. GRPO)."""
+    _, rewards, mask = _inputs(5)
+    rewards[:, 0] += 3.0 * mask[:, 0] + 0.1
+    index = [0, 0, 0, 1, 1, 1]
+    gpg, _ = compute_gpg_outcome_advantage(rewards, mask, index)
+    dr_grpo, _ = compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)
+    torch.testing.assert_close(gpg, dr_grpo)
+
+
+def test_the_estimators_are_registered_with_verls_names():
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg"):
+        assert name in ADV_ESTIMATORS.names()
+    assert ADV_ESTIMATORS.takes("reinforce_plus_plus", "gamma")
+    assert ADV_ESTIMATORS.takes("gpg", "index") and ADV_ESTIMATORS.takes("reinforce_plus_plus_baseline", "index")
+
+
+# ---- losses ----------------------------------------------------------------------------
+
+
+def _loss_inputs(seed, scale=0.3):
+    g, advantages, mask = _inputs(seed)
+    advantages = torch.randn(B, T, generator=g, dtype=torch.float64)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) - 0.1
+    new = (old + scale * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_(True)
+    return old, new, advantages, mask
+
+
+def _seq_mean_token_mean(per_token, mask):
+    rows = [(sum(x * k for x, k in zip(r, m)) / sum(m)) for r, m in zip(per_token, mask) if sum(m)]
+    return sum(rows) / len(rows)
+
+
+def ref_gspo(old, new, adv, mask, low, high):
+    """verl's GSPO value, per token: the sequence ratio exp(mean log-ratio), clipped PPO-style."""
+    losses = []
+    for o, n, a, m in zip(old.tolist(), new.tolist(), adv.tolist(), mask.tolist()):
+        s = math.exp(min(sum((y - x) * k for x, y, k in zip(o, n, m)) / max(sum(m), 1), 10.0))
+        losses.append([max(-ai * s, -ai * min(max(s, 1 - low), 1 + high)) for ai in a])
+    return _seq_mean_token_mean(losses, mask.tolist())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gspo_is_verls(seed):
+    old, new, adv, mask = _loss_inputs(seed)
+    loss, metrics = compute_policy_loss_gspo(old, new, adv, mask, clip_ratio_low=0.02, clip_ratio_high=0.03)
+    assert loss.item() == pytest.approx(ref_gspo(old, new.detach(), adv, mask, 0.02, 0.03), rel=1e-12, abs=1e-12)
+    log_ratio = new.detach() - old
+    assert metrics["actor/ppo_kl"].item() == pytest.approx((-(log_ratio * mask).sum() / mask.sum()).item())
+    # The gradient: each token's own log-prob, times its sequence's ratio where the unclipped term counts.
+    loss.backward()
+    lengths = mask.sum(-1, keepdim=True)
+    s = torch.exp((log_ratio * mask).sum(-1, keepdim=True) / lengths).expand(B, T)
+    clipped = torch.clamp(s, 1 - 0.02, 1 + 0.03)
+    unclipped_counts = (-adv * s) >= (-adv * clipped)
+    rows = (lengths > 0).sum()
+    want = torch.where(unclipped_counts, -adv * s, torch.zeros_like(s)) * mask / lengths / rows
+    torch.testing.assert_close(new.grad, want)
+
+
+def test_gspo_ratio_is_one_number_per_sequence_and_one_token_responses_give_ppos_loss():
+    old, new, adv, mask = _loss_inputs(7)
+    one = torch.zeros_like(mask)
+    one[:, 0] = 1.0
+    gspo, _ = compute_policy_loss_gspo(old, new, adv, one)
+    (g_gspo,) = torch.autograd.grad(gspo, new)
+    ppo, _ = compute_policy_loss(old, new, adv, one, clip_ratio_c=None, loss_agg_mode="seq-mean-token-mean")
+    (g_ppo,) = torch.autograd.grad(ppo, new)
+    torch.testing.assert_close(gspo, ppo)
+    torch.testing.assert_close(g_gspo, g_ppo)
+    # A longer response: every token carries the same ratio, so the clip acts on whole sequences.
+    _, metrics = compute_policy_loss_gspo(old, new, torch.ones_like(adv), mask, clip_ratio=1e-4)
+    clipped_rows = metrics["actor/pg_clipfrac"].item() * mask.sum().item()
+    assert any(abs(clipped_rows - k) < 1e-6 for k in _row_length_sums(mask)), clipped_rows  # masked_mean: + 1e-8
+
+
+def _row_length_sums(mask):
+    """Every total of whole rows' lengths (a clip fraction of whole sequences is one of them)."""
+    lengths = [int(x) for x in mask.sum(-1).tolist()]
+    sums = {0}
+    for n in lengths:
+        sums |= {s + n for s in sums}
+    return sums
+
+
+def ref_cispo(old, new, adv, mask, low, high):
+    losses = []
+    for o, n, a in zip(old.tolist(), new.tolist(), adv.tolist()):
+        losses.append([-min(max(math.exp(y - x), 1 - low), 1 + high) * ai * y for x, y, ai in zip(o, n, a)])
+    valid = [(x, k) for r, m in zip(losses, mask.tolist()) for x, k in zip(r, m)]
+    return sum(x * k for x, k in valid) / sum(k for _, k in valid)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cispo_is_verls_and_a_clipped_token_keeps_its_gradient(seed):
+    old, new, adv, mask = _loss_inputs(seed, scale=0.5)
+    loss, metrics = compute_policy_loss_cispo(old, new, adv, mask, clip_ratio=0.1)
+    assert loss.item() == pytest.approx(ref_cispo(old, new.detach(), adv, mask, 0.1, 0.1), rel=1e-12)
+    loss.backward()
+    ratio = torch.exp(new.detach() - old)
+    weight = torch.clamp(ratio, 0.9, 1.1)
+    torch.testing.assert_close(new.grad, -weight * adv * mask / mask.sum())
+    clipped = (ratio != weight) & mask.bool()
+    assert clipped.any() and (new.grad[clipped] != 0).all(), "PPO's clip would give these tokens no gradient"
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(clipped.sum().item() / mask.sum().item())
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_gpg_loss_is_plain_policy_gradient(mode):
+    old, new, adv, mask = _loss_inputs(2)
+    loss, metrics = compute_policy_loss_gpg(new, adv, mask, loss_agg_mode=mode)
+    per_token = (-new.detach() * adv).tolist()
+    if mode == "token-mean":
+        want = sum(x * k for r, m in zip(per_token, mask.tolist()) for x, k in zip(r, m)) / mask.sum().item()
+    else:
+        rows = [sum(x * k for x, k in zip(r, m)) for r, m in zip(per_token, mask.tolist()) if sum(m)]
+        want = sum(rows) / len(rows)
+    assert loss.item() == pytest.approx(want, rel=1e-12) and metrics == {}
+
+
+def test_the_losses_are_registered_with_verls_names():
+    for name in ("gspo", "cispo", "gpg"):
+        assert name in POLICY_LOSSES.names()
+    assert not POLICY_LOSSES.takes("gpg", "old_log_prob"), "no ratio: the old policy is not read"
+
+
+# ---- in a run --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    from refppo.cli import main
+
+    out = tmp_path_factory.mktemp("runs") / "sft"
+    tiny = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2"]
+    assert main(["sft", f"trainer.output_dir={out}", "sft.steps=3", "sft.batch_size=8", *tiny, "data.val_size=8"]) == 0
+    return out / "model"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true", "algorithm.gamma=0.99"],
+        ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "rollout.n=2"],
+        ["algorithm.adv_estimator=gpg", "rollout.n=2", "actor.policy_loss=gpg"],
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "actor.policy_loss=gspo",
+            "actor.loss_agg_mode=seq-mean-token-mean",
+        ],
+        ["algorithm.adv_estimator=grpo", "rollout.n=2", "actor.policy_loss=cispo", "actor.clip_ratio_high=0.28"],
+    ],
+)
+def test_each_runs_in_the_trainer(sft_model, tmp_path, settings):
+    import json
+
+    from refppo.cli import main
+
+    quick = ["trainer.total_training_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]
+    quick += ["data.val_size=8", "trainer.progress_bar=false", "data.max_response_length=4"]
+    out = tmp_path / "run"
+    assert main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={out}", *quick, *settings]) == 0
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and math.isfinite(last["actor/pg_loss"])
+
+
+def test_gspo_refuses_another_aggregation(sft_model, tmp_path):
+    from refppo.cli import main
+
+    with pytest.raises(ValueError, match="set actor.loss_agg_mode=seq-mean-token-mean"):
+        main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={tmp_path}/r", "actor.policy_loss=gspo"])
