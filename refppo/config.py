@@ -207,9 +207,12 @@ class ActorConfig:
     loss_agg_mode: str = setting("token-mean", LOSS_AGG_MODES)
     # seq-mean-token-sum-norm's divisor; None: data.max_response_length
     loss_scale_factor: float | None = setting(None, POSITIVE, needs=ACTOR_NORM)
-    policy_loss: str = setting("clip", POLICY_LOSSES.names)  # clip | penalty (PPO-penalty: a KL-to-old penalty)
+    # clip | penalty (PPO-penalty: a KL-to-old penalty) | verl's gspo, sapo, cispo, geo_mean, gpg
+    policy_loss: str = setting("clip", POLICY_LOSSES.names)
     penalty_kl_coef: float = setting(0.1, NONNEG, needs=LOSS_TAKES)
     penalty_kl_type: str = setting("kl", kl_penalty_types, needs=LOSS_TAKES)
+    tau_pos: float = setting(1.0, POSITIVE, needs=LOSS_TAKES)  # SAPO's gate temperatures (A > 0, A <= 0)
+    tau_neg: float = setting(1.05, POSITIVE, needs=LOSS_TAKES)
     policy_mode: str = setting("decoupled", POLICY_MODES)
     # the truncation of exp(old - rollout) in rollout_correction
     rollout_is_threshold: float = setting(2.0, "(0, inf]", needs=ROLLOUT_CORRECTION)

@@ -308,6 +308,105 @@ def compute_policy_loss_gspo(
     return pg_loss, {k: v.detach() for k, v in metrics.items()}
 
 
+@register_policy_loss("sapo")
+@checks_once
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al. 2025): a smooth gate in place of the clip (verl 0.9's ``sapo``).
+
+    Per token, -f(ratio) * A with f(r) = sigmoid(tau * (r - 1)) * 4 / tau: f'(1) = 1, so near the
+    old policy the gradient is PPO's, and it fades smoothly as the ratio moves away instead of
+    stopping at a bound. tau is ``tau_pos`` where A > 0 and ``tau_neg`` elsewhere. Aggregated with
+    seq-mean-token-mean, as verl does whatever ``loss_agg_mode`` says (refppo's config requires
+    that mode with this loss).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
+        tau_pos, tau_neg: the gate's temperatures, > 0.
+        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
+
+    Returns:
+        pg_loss: scalar.
+        metrics: ``actor/ppo_kl``, and ``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower`` (0:
+        nothing is clipped), as verl logs them.
+    """
+    check_number("tau_pos", tau_pos, "(0, inf)")
+    check_number("tau_neg", tau_neg, "(0, inf)")
+    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    tau = torch.full_like(advantages, tau_neg).masked_fill(advantages > 0, tau_pos)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    pg_losses = -gate * advantages
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    pg_loss = _agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
+    zero = torch.zeros((), device=pg_loss.device)
+    metrics = {"actor/pg_clipfrac": zero, "actor/ppo_kl": masked_mean(-log_ratio, response_mask)}
+    return pg_loss, {k: v.detach() for k, v in (metrics | {"actor/pg_clipfrac_lower": zero}).items()}
+
+
+@register_policy_loss("geo_mean")
+@checks_once
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (Zhao et al. 2025): the geometric mean of each sequence's clipped token ratios times
+    its mean advantage (verl 0.9's ``geo_mean``).
+
+    Per token, the log-ratio is clipped to [-low, high] on the side that would let the objective
+    grow (the pessimistic side for the sign of A, PPO's rule in log space); the sequence's ratio is
+    exp(mean of those over its valid tokens), its loss -mean(A) * ratio, and the loss the mean over
+    the rows (verl's ``torch.mean``: refppo's config requires seq-mean-token-mean, whose micro-batch
+    weights that mean needs). Rollout-correction weights enter as their per-sequence geometric mean.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`
+            (a row with no valid token counts as a loss of 0, as in verl).
+        clip_ratio, clip_ratio_low, clip_ratio_high: the log-ratio's bounds.
+        rollout_is_weights: optional (batch, T) weights >= 0.
+
+    Returns:
+        pg_loss: scalar.
+        metrics: ``actor/ppo_kl``; ``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower``, the
+        tokens whose log-ratio left its bounds where A > 0 and A < 0.
+    """
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -low, high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = response_mask.sum(dim=-1) + 1e-8
+    seq_ratio = torch.exp(masked_sum(pessimistic, response_mask, axis=-1) / lengths)
+    pg_losses = -masked_sum(advantages, response_mask, axis=-1) / lengths * seq_ratio
+    if rollout_is_weights is not None:
+        log_w = torch.log(rollout_is_weights.detach() + 1e-10)
+        pg_losses = pg_losses * torch.exp(masked_sum(log_w, response_mask, axis=-1) / lengths)
+    clipped = (log_ratio != clamped).float()
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(clipped * (advantages > 0), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), response_mask),
+    }
+    return pg_losses.mean(), {k: v.detach() for k, v in metrics.items()}
+
+
 @register_policy_loss("cispo")
 @checks_once
 def compute_policy_loss_cispo(

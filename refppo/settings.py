@@ -218,9 +218,9 @@ def _check_combinations(config: Config) -> None:
         "use >= 2 responses",
     )
     _require(
-        a.policy_loss != "gspo" or a.loss_agg_mode == "seq-mean-token-mean",
-        "actor.policy_loss=gspo averages its loss over each sequence's tokens, then over the sequences (verl does "
-        "so whatever its loss_agg_mode says): set actor.loss_agg_mode=seq-mean-token-mean",
+        a.policy_loss not in ("gspo", "sapo", "geo_mean") or a.loss_agg_mode == "seq-mean-token-mean",
+        f"actor.policy_loss={a.policy_loss} averages its loss over each sequence, then over the sequences (verl "
+        "does so whatever its loss_agg_mode says): set actor.loss_agg_mode=seq-mean-token-mean",
     )
     _require(
         not ADV_ESTIMATORS.takes(alg.adv_estimator, "index") or r.n >= 2,

@@ -214,6 +214,21 @@ BUGS += [  # the estimators and losses from verl 0.9's registry
         "pg_losses = log_prob * advantages",
     ),
 ]
+BUGS += [
+    (
+        "losses.py",
+        "SAPO: the temperatures swapped",
+        "masked_fill(advantages > 0, tau_pos)",
+        "masked_fill(advantages < 0, tau_pos)",
+    ),
+    ("losses.py", "SAPO: the gate not scaled by 4 / tau", "* (4.0 / tau)", "* 4.0"),
+    (
+        "losses.py",
+        "GMPO: the optimistic side of the clip",
+        "sign * torch.minimum(sign * log_ratio, sign * clamped)",
+        "sign * torch.maximum(sign * log_ratio, sign * clamped)",
+    ),
+]
 BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
     (
         "forward.py",

@@ -199,5 +199,7 @@ def test_registry():
     assert get_adv_estimator_fn("gae") is compute_gae_advantage_return
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
     assert get_adv_estimator_fn("rloo") is compute_rloo_outcome_advantage
-    with pytest.raises(ValueError, match="valid: gae, gpg, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"):
+    with pytest.raises(
+        ValueError, match="valid: gae, gpg, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"
+    ):
         get_adv_estimator_fn("ppo")

@@ -110,6 +110,10 @@ GOOD = {
     "compute_policy_loss_gspo": lambda: _pair(
         clip_ratio=0.2, clip_ratio_low=3e-4, clip_ratio_high=4e-4, rollout_is_weights=_x(4).abs()
     ),
+    "compute_policy_loss_sapo": lambda: _pair(tau_pos=1.0, tau_neg=1.05, rollout_is_weights=_x(4).abs()),
+    "compute_policy_loss_geo_mean": lambda: _pair(
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_is_weights=_x(4).abs()
+    ),
     "compute_policy_loss_cispo": lambda: _pair(
         clip_ratio=0.2,
         clip_ratio_low=0.2,
@@ -188,10 +192,16 @@ VALID = {
     ("compute_policy_loss", "clip_ratio_c", "None"),
     *(
         (f, arg, "None")
-        for f in ("compute_policy_loss", "compute_policy_loss_gspo", "compute_policy_loss_cispo")
+        for f in (
+            "compute_policy_loss",
+            "compute_policy_loss_gspo",
+            "compute_policy_loss_cispo",
+            "compute_policy_loss_geo_mean",
+        )
         for arg in ("clip_ratio_low", "clip_ratio_high", "rollout_is_weights")
     ),
     ("compute_policy_loss_gpg", "rollout_is_weights", "None"),
+    ("compute_policy_loss_sapo", "rollout_is_weights", "None"),
     *((f, "loss_scale_factor", "None") for f in ("compute_policy_loss_cispo", "compute_policy_loss_gpg")),
     ("compute_value_loss", "cliprange_value", "None"),
     # computing on a meta tensor alone is shape inference: nothing reads a value

@@ -20,8 +20,10 @@ from refppo.losses import (
     POLICY_LOSSES,
     compute_policy_loss,
     compute_policy_loss_cispo,
+    compute_policy_loss_geo_mean,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
+    compute_policy_loss_sapo,
 )
 
 B, T = 6, 7
@@ -249,7 +251,7 @@ def test_gpg_loss_is_plain_policy_gradient(mode):
 
 
 def test_the_losses_are_registered_with_verls_names():
-    for name in ("gspo", "cispo", "gpg"):
+    for name in ("gspo", "sapo", "cispo", "geo_mean", "gpg"):
         assert name in POLICY_LOSSES.names()
     assert not POLICY_LOSSES.takes("gpg", "old_log_prob"), "no ratio: the old policy is not read"
 
@@ -280,6 +282,18 @@ def sft_model(tmp_path_factory):
             "actor.loss_agg_mode=seq-mean-token-mean",
         ],
         ["algorithm.adv_estimator=grpo", "rollout.n=2", "actor.policy_loss=cispo", "actor.clip_ratio_high=0.28"],
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "actor.policy_loss=sapo",
+            "actor.loss_agg_mode=seq-mean-token-mean",
+        ],
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "actor.policy_loss=geo_mean",
+            "actor.loss_agg_mode=seq-mean-token-mean",
+        ],
     ],
 )
 def test_each_runs_in_the_trainer(sft_model, tmp_path, settings):
@@ -300,3 +314,74 @@ def test_gspo_refuses_another_aggregation(sft_model, tmp_path):
 
     with pytest.raises(ValueError, match="set actor.loss_agg_mode=seq-mean-token-mean"):
         main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={tmp_path}/r", "actor.policy_loss=gspo"])
+
+
+def ref_sapo(old, new, adv, mask, tau_pos, tau_neg):
+    losses = []
+    for o, n, a in zip(old.tolist(), new.tolist(), adv.tolist()):
+        row = []
+        for x, y, ai in zip(o, n, a):
+            tau = tau_pos if ai > 0 else tau_neg
+            row.append(-ai * 4.0 / tau / (1.0 + math.exp(-tau * (math.exp(y - x) - 1.0))))
+        losses.append(row)
+    return _seq_mean_token_mean(losses, mask.tolist())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sapo_is_verls_and_its_gate_has_ppos_gradient_at_the_old_policy(seed):
+    old, new, adv, mask = _loss_inputs(seed)
+    loss, metrics = compute_policy_loss_sapo(old, new, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    assert loss.item() == pytest.approx(ref_sapo(old, new.detach(), adv, mask, 1.0, 1.05), rel=1e-12)
+    assert metrics["actor/pg_clipfrac"].item() == 0
+    # At ratio 1, f'(1) = 1 for every tau: the gradient is the unclipped PPO loss's.
+    at_old = old.clone().requires_grad_(True)
+    sapo, _ = compute_policy_loss_sapo(old, at_old, adv, mask, tau_pos=0.5, tau_neg=3.0)
+    ppo, _ = compute_policy_loss(old, at_old, adv, mask, clip_ratio_c=None, loss_agg_mode="seq-mean-token-mean")
+    torch.testing.assert_close(torch.autograd.grad(sapo, at_old)[0], torch.autograd.grad(ppo, at_old)[0])
+
+
+def ref_geo_mean(old, new, adv, mask, low, high):
+    losses = []
+    for o, n, a, m in zip(old.tolist(), new.tolist(), adv.tolist(), mask.tolist()):
+        total, n_valid, adv_sum = 0.0, sum(m), 0.0
+        for x, y, ai, k in zip(o, n, a, m):
+            d = y - x
+            sign = (ai > 0) - (ai < 0)
+            clipped = min(max(d, -low), high)
+            total += k * sign * min(sign * d, sign * clipped)
+            adv_sum += k * ai
+        losses.append(-adv_sum / (n_valid + 1e-8) * math.exp(total / (n_valid + 1e-8)))
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_geo_mean_is_verls(seed):
+    old, new, adv, mask = _loss_inputs(seed, scale=0.5)
+    loss, metrics = compute_policy_loss_geo_mean(old, new, adv, mask, clip_ratio=0.1, clip_ratio_high=0.2)
+    assert loss.item() == pytest.approx(ref_geo_mean(old, new.detach(), adv, mask, 0.1, 0.2), rel=1e-12)
+    d = new.detach() - old
+    out = (d < -0.1) | (d > 0.2)
+    want = ((out & (adv > 0)).double() * mask).sum() / mask.sum()
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(want.item(), abs=1e-8)
+
+
+def test_geo_mean_of_one_token_responses_is_ppos_loss_with_a_sequence_mean():
+    """With one token per response, the geometric mean is that token's ratio, and the pessimistic
+    log-space clip is PPO's clip: the same loss as PPO's (no dual clip), averaged over sequences."""
+    old, new, adv, mask = _loss_inputs(4, scale=0.5)
+    one = torch.zeros_like(mask)
+    one[:, 0] = 1.0
+    geo, _ = compute_policy_loss_geo_mean(old, new, adv, one, clip_ratio=0.1)
+    # PPO clips the ratio to [0.9, 1.1]; GMPO the log-ratio to [-0.1, 0.1]: equal bounds in log space
+    ppo, _ = compute_policy_loss(
+        old,
+        new,
+        adv,
+        one,
+        clip_ratio_low=1 - math.exp(-0.1),
+        clip_ratio_high=math.exp(0.1) - 1,
+        clip_ratio_c=None,
+        loss_agg_mode="seq-mean-token-mean",
+    )
+    torch.testing.assert_close(geo, ppo)
+    torch.testing.assert_close(torch.autograd.grad(geo, new)[0], torch.autograd.grad(ppo, new)[0])
