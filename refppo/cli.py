@@ -21,13 +21,15 @@ import torch
 from refppo.advantages import needs_critic
 from refppo.config import COMMANDS, Config, apply_overrides, declarations, get_value
 from refppo.data import sft_examples, task_data
+from refppo.declare import check_once
 from refppo.device import resolve_device
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
-from refppo.memory import SYNTHETIC_RECORD_BYTES, check_fits, rollout_bytes
+from refppo.memory import SYNTHETIC_RECORD_BYTES
 from refppo.model_folder import check_model_folder, check_same_tokenizer, check_vocabulary
 from refppo.prompts import tokenize_records
 from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary, tensorboard_writer
 from refppo.settings import format_value, ignored_message, ignored_settings, read_settings, valid_text, validate
+from refppo.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit
 from refppo.tasks import preference
 
 
@@ -123,24 +125,6 @@ def checked_tokenizer(config: Config, command: str):
         if key != "model.path" and os.path.exists(os.path.join(path, "tokenizer_config.json")):
             check_same_tokenizer(tokenizer, load_tokenizer(path), key, path)
     return tokenizer
-
-
-def check_generation_fits(config: Config, model_config, rows: int, what: str, world: World, device) -> None:
-    """Refuse, before any write, a generation of ``rows`` sequences (over all processes) whose
-    key/value cache alone would not fit this device (:func:`refppo.memory.rollout_bytes`); ``what``
-    names the settings that make ``rows``."""
-    d, per_process = config.data, -(-rows // world.size)
-    need = rollout_bytes(
-        model_config, per_process, d.max_prompt_length, d.max_response_length, 2 if device.type == "cuda" else 4
-    )
-    check_fits(need, device, what)
-
-
-def check_batch_fits(batch_size: int, available: int, setting: str, data: str) -> None:
-    """Refuse a batch larger than its data: ``setting`` (its value ``batch_size``) against the
-    ``available`` records that ``data`` names."""
-    if batch_size > available:
-        raise ValueError(f"{setting}={batch_size} is more than the {available} {data}: make it at most {available}")
 
 
 def _save_model(model, tokenizer, folder: Path, world: World) -> None:
@@ -242,8 +226,6 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
-    from transformers import AutoConfig
-
     from refppo.fit import fit
     from refppo.models import add_lora, freeze, load_causal_lm, load_value_model
     from refppo.reward_fns import check_scores, describe, load_reward_fn
@@ -252,12 +234,9 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     if config.model.path is None:
         raise ValueError("refppo ppo starts from an SFT model: set model.path=<sft run>/model")
     tokenizer = checked_tokenizer(config, "ppo")
-    d, model_config = config.data, AutoConfig.from_pretrained(config.model.path)
-    rollout = f"data.train_batch_size={d.train_batch_size} x rollout.n={config.rollout.n}"
-    check_generation_fits(config, model_config, d.train_batch_size * config.rollout.n, rollout, world, device)
-    check_generation_fits(config, model_config, d.val_size, f"data.val_size={d.val_size}", world, device)
+    check_rollouts_fit(config, world, device)
     train, val, task_reward = task_data(config, tokenizer)
-    check_batch_fits(d.train_batch_size, len(train), "data.train_batch_size", "training prompts")
+    check_batch_fits(config.data.train_batch_size, len(train), "data.train_batch_size", "training prompts")
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device)
     if config.model.lora_rank > 0:
@@ -384,17 +363,6 @@ def entry() -> int:
     except Exception as error:
         _name_the_process(world, error)
         raise
-
-
-def check_once(overrides: list[str]) -> None:
-    """Refuse a key given twice on the command line, naming both values (in a Python list of
-    overrides the later one wins, so that a chapter can vary a shared list)."""
-    seen = {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if sep and key.strip() in seen:
-            raise ValueError(f"{key.strip()} is given twice ({seen[key.strip()]!r} and {text!r}): keep one")
-        seen[key.strip()] = text
 
 
 def _name_the_process(world: World, error: BaseException) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from refppo import verl_losses  # noqa: F401  (registers verl's other policy losses, which config names)
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.declare import (
     Site,

@@ -9,8 +9,9 @@ import os
 import torch
 
 from refppo.config import Config
-from refppo.memory import SYNTHETIC_RECORD_BYTES, check_fits
+from refppo.memory import SYNTHETIC_RECORD_BYTES
 from refppo.prompts import encode_prompts, prompt_problem
+from refppo.sizes import check_fits
 from refppo.tasks import arithmetic, preference
 
 

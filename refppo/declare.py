@@ -164,6 +164,17 @@ def apply_overrides(config, overrides: list[str]):
     return config
 
 
+def check_once(overrides: list[str]) -> None:
+    """Refuse a key given twice on the command line, naming both values (in a Python list of
+    overrides the later one wins, so that a chapter can vary a shared list)."""
+    seen = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if sep and key.strip() in seen:
+            raise ValueError(f"{key.strip()} is given twice ({seen[key.strip()]!r} and {text!r}): keep one")
+        seen[key.strip()] = text
+
+
 def owner_of(config, key: str):
     """The dataclass holding a dotted key, and the field's name."""
     *parents, name = key.split(".")

@@ -22,7 +22,16 @@ LOSS_AGG_MODES = (
 )
 
 
-def _check_loss_inputs(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+def check_loss_inputs(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Raise ValueError unless a loss's inputs hold: every tensor of ``response_mask``'s shape and
+    device, the mask 0/1 with a valid token, the tensors finite and ``rollout_is_weights`` >= 0
+    where the mask is 1 (one host sync).
+
+    Args:
+        response_mask: (batch, T) 0/1.
+        **tensors: name -> (batch, T) tensor, or None for an absent optional input.
+    """
+    tensors = {k: v for k, v in tensors.items() if v is not None}
     check_same_shape(response_mask=response_mask, **tensors)
     weights = {k: tensors[k] for k in ("rollout_is_weights",) if k in tensors}
     check_values(
@@ -84,7 +93,7 @@ def agg_loss(
     Returns:
         Scalar tensor.
     """
-    _check_loss_inputs(loss_mask, loss_mat=loss_mat)
+    check_loss_inputs(loss_mask, loss_mat=loss_mat)
     return _agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor)
 
 
@@ -122,6 +131,7 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
 
 
 POLICY_LOSSES = Registry("policy loss")
+# verl's other policy losses (GSPO, SAPO, CISPO, GMPO, GPG) are in refppo.verl_losses.
 # A policy loss receives, by parameter name, old_log_prob, log_prob, advantages, response_mask,
 # rollout_is_weights (when the actor computes them) and any field of ``actor``; it returns
 # (loss, {metric name: detached scalar}), as verl 0.9's do.
@@ -129,8 +139,13 @@ register_policy_loss = POLICY_LOSSES.register
 get_policy_loss_fn = POLICY_LOSSES.get
 
 
-def _clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
-    """(low, high): each side's epsilon, ``clip_ratio`` where it is None, checked."""
+def clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
+    """The clip's epsilons below and above 1: ``clip_ratio`` for a side given as None; ValueError
+    unless low is in [0, 1) and high in [0, inf).
+
+    Returns:
+        (low, high) floats.
+    """
     check_number("clip_ratio", clip_ratio, "[0, 1)")
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -182,11 +197,16 @@ def compute_policy_loss(
         old_log_prob - log_prob (k1 estimate of KL(old || new)); ``actor/pg_clipfrac_lower``, the
         fraction of valid tokens with A < 0 capped by the dual clip.
     """
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None:
         check_number("clip_ratio_c", clip_ratio_c, "(1, inf)")
-    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
+    check_loss_inputs(
+        response_mask,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        rollout_is_weights=rollout_is_weights,
+    )
 
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -248,239 +268,11 @@ def compute_ppo_penalty_loss(
         beta controller.
     """
     check_number("penalty_kl_coef", penalty_kl_coef, "[0, inf)")
-    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
+    check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)
     loss = _agg_loss(-advantages * ratio + penalty_kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, {"actor/ppo_kl": masked_mean(kl, response_mask).detach()}
-
-
-@register_policy_loss("gspo")
-@checks_once
-def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio: float = 0.2,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO (Zheng et al. 2025): PPO's clipped loss with one ratio per sequence (verl 0.9's ``gspo``).
-
-    s_i = exp(mean over the valid tokens of log pi_theta - log pi_old), the geometric mean of the
-    token ratios; each token carries s_i * pi_theta / sg(pi_theta) (the value s_i, the gradient
-    of its own log-prob times s_i), clamped at exp(10), in max(-A * s, -A * clip(s, 1 - low,
-    1 + high)). Aggregated with seq-mean-token-mean, as verl does whatever ``loss_agg_mode`` says
-    (refppo's config requires that mode with this loss).
-
-    Args:
-        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
-        clip_ratio, clip_ratio_low, clip_ratio_high: the clip's epsilons (GSPO's paper uses 3e-4
-            and 4e-4: the ratio is a per-token geometric mean).
-        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
-
-    Returns:
-        pg_loss: scalar.
-        metrics: ``actor/pg_clipfrac`` (tokens whose clipped term was active), ``actor/ppo_kl``
-        and ``actor/pg_clipfrac_lower`` (0: no dual clip), as verl logs them.
-    """
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
-    log_ratio = log_prob - old_log_prob
-    lengths = response_mask.sum(dim=-1).clamp(min=1)
-    seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths
-    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
-    seq_ratio = torch.exp(log_seq_ratio)
-    pg_losses1 = -advantages * seq_ratio
-    pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights.detach()
-    pg_loss = _agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
-    metrics = {
-        "actor/pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
-        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
-        "actor/pg_clipfrac_lower": torch.zeros((), device=pg_loss.device),
-    }
-    return pg_loss, {k: v.detach() for k, v in metrics.items()}
-
-
-@register_policy_loss("sapo")
-@checks_once
-def compute_policy_loss_sapo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SAPO (Gao et al. 2025): a smooth gate in place of the clip (verl 0.9's ``sapo``).
-
-    Per token, -f(ratio) * A with f(r) = sigmoid(tau * (r - 1)) * 4 / tau: f'(1) = 1, so near the
-    old policy the gradient is PPO's, and it fades smoothly as the ratio moves away instead of
-    stopping at a bound. tau is ``tau_pos`` where A > 0 and ``tau_neg`` elsewhere. Aggregated with
-    seq-mean-token-mean, as verl does whatever ``loss_agg_mode`` says (refppo's config requires
-    that mode with this loss).
-
-    Args:
-        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
-        tau_pos, tau_neg: the gate's temperatures, > 0.
-        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
-
-    Returns:
-        pg_loss: scalar.
-        metrics: ``actor/ppo_kl``, and ``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower`` (0:
-        nothing is clipped), as verl logs them.
-    """
-    check_number("tau_pos", tau_pos, "(0, inf)")
-    check_number("tau_neg", tau_neg, "(0, inf)")
-    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    tau = torch.full_like(advantages, tau_neg).masked_fill(advantages > 0, tau_pos)
-    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
-    pg_losses = -gate * advantages
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights.detach()
-    pg_loss = _agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
-    zero = torch.zeros((), device=pg_loss.device)
-    metrics = {"actor/pg_clipfrac": zero, "actor/ppo_kl": masked_mean(-log_ratio, response_mask)}
-    return pg_loss, {k: v.detach() for k, v in (metrics | {"actor/pg_clipfrac_lower": zero}).items()}
-
-
-@register_policy_loss("geo_mean")
-@checks_once
-def compute_policy_loss_geo_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio: float = 0.2,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GMPO (Zhao et al. 2025): the geometric mean of each sequence's clipped token ratios times
-    its mean advantage (verl 0.9's ``geo_mean``).
-
-    Per token, the log-ratio is clipped to [-low, high] on the side that would let the objective
-    grow (the pessimistic side for the sign of A, PPO's rule in log space); the sequence's ratio is
-    exp(mean of those over its valid tokens), its loss -mean(A) * ratio, and the loss the mean over
-    the rows (verl's ``torch.mean``: refppo's config requires seq-mean-token-mean, whose micro-batch
-    weights that mean needs). Rollout-correction weights enter as their per-sequence geometric mean.
-
-    Args:
-        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`
-            (a row with no valid token counts as a loss of 0, as in verl).
-        clip_ratio, clip_ratio_low, clip_ratio_high: the log-ratio's bounds.
-        rollout_is_weights: optional (batch, T) weights >= 0.
-
-    Returns:
-        pg_loss: scalar.
-        metrics: ``actor/ppo_kl``; ``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower``, the
-        tokens whose log-ratio left its bounds where A > 0 and A < 0.
-    """
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
-    log_ratio = log_prob - old_log_prob
-    sign = torch.sign(advantages)
-    clamped = torch.clamp(log_ratio, -low, high)
-    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
-    lengths = response_mask.sum(dim=-1) + 1e-8
-    seq_ratio = torch.exp(masked_sum(pessimistic, response_mask, axis=-1) / lengths)
-    pg_losses = -masked_sum(advantages, response_mask, axis=-1) / lengths * seq_ratio
-    if rollout_is_weights is not None:
-        log_w = torch.log(rollout_is_weights.detach() + 1e-10)
-        pg_losses = pg_losses * torch.exp(masked_sum(log_w, response_mask, axis=-1) / lengths)
-    clipped = (log_ratio != clamped).float()
-    metrics = {
-        "actor/pg_clipfrac": masked_mean(clipped * (advantages > 0), response_mask),
-        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), response_mask),
-    }
-    return pg_losses.mean(), {k: v.detach() for k, v in metrics.items()}
-
-
-@register_policy_loss("cispo")
-@checks_once
-def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio: float = 0.2,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO (MiniMax 2025): REINFORCE weighted by the clipped importance ratio, with no gradient
-    through the ratio (verl 0.9's ``cispo``): -sg(clip(ratio, 1 - low, 1 + high)) * A * log pi_theta.
-    Unlike PPO's clip, a clipped token still gets a gradient, at the bounded weight.
-
-    Args:
-        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
-        clip_ratio, clip_ratio_low, clip_ratio_high: the weight's bounds.
-        loss_agg_mode, loss_scale_factor: see agg_loss.
-        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
-
-    Returns:
-        pg_loss: scalar.
-        metrics: ``actor/pg_clipfrac`` (tokens whose ratio was clipped), ``actor/ppo_kl`` and
-        ``actor/pg_clipfrac_lower`` (0).
-    """
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    _check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, **extra)
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - low, 1 + high)
-    pg_losses = -clipped.detach() * advantages * log_prob
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights.detach()
-    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
-    metrics = {
-        "actor/pg_clipfrac": masked_mean((ratio != clipped).float(), response_mask),
-        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
-        "actor/pg_clipfrac_lower": torch.zeros((), device=pg_loss.device),
-    }
-    return pg_loss, {k: v.detach() for k, v in metrics.items()}
-
-
-@register_policy_loss("gpg")
-@checks_once
-def compute_policy_loss_gpg(
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GPG (Chu et al. 2025): plain policy gradient, -A * log pi_theta, with no ratio and no clip
-    (verl 0.9's ``gpg``); it pairs with the ``gpg`` advantage estimator.
-
-    Args:
-        log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
-        loss_agg_mode, loss_scale_factor: see agg_loss.
-        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
-
-    Returns:
-        pg_loss: scalar, and no metrics (verl logs none for it).
-    """
-    extra = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    _check_loss_inputs(response_mask, log_prob=log_prob, advantages=advantages, **extra)
-    pg_losses = -log_prob * advantages
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights.detach()
-    return _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), {}
 
 
 @checks_once
@@ -509,7 +301,7 @@ def compute_value_loss(
     """
     if cliprange_value is not None:
         check_number("cliprange_value", cliprange_value, "(0, inf)")
-    _check_loss_inputs(response_mask, vpreds=vpreds, returns=returns, values=values)
+    check_loss_inputs(response_mask, vpreds=vpreds, returns=returns, values=values)
     vf_losses1 = (vpreds - returns) ** 2
     if cliprange_value is None:
         clipped_vf_losses, vf_clipfrac = vf_losses1, torch.zeros((), device=vpreds.device)

@@ -10,7 +10,6 @@ on any device, so the arithmetic can be checked on a tiny model.
 from __future__ import annotations
 
 import copy
-import os
 import weakref
 
 import torch
@@ -201,29 +200,6 @@ def rollout_bytes(config, rows: int, prompt_length: int, response_length: int, b
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     cache = 2 * config.num_hidden_layers * kv_heads * head_dim * (prompt_length + response_length) * bytes_per_value
     return rows * (cache + 3 * config.vocab_size * 4)
-
-
-def machine_bytes(device: torch.device) -> int:
-    """The memory of ``device``: a GPU's total, or the host's physical memory for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_fits(need: int, device: torch.device, what: str) -> None:
-    """Raise ValueError, before anything is allocated, when ``need`` bytes exceed ``device``'s memory.
-
-    Args:
-        need: an estimate (a lower bound) of the bytes ``what`` needs.
-        device: where it would be allocated.
-        what: the settings responsible, e.g. "data.train_batch_size=64 x rollout.n=1000000".
-    """
-    have = machine_bytes(device)
-    if need > have:
-        raise ValueError(
-            f"{what} needs at least {need / 2**30:.3g} GiB, more than the {have / 2**30:.3g} GiB of this "
-            f"machine's {device.type} memory (estimated by refppo.memory); make it smaller"
-        )
 
 
 def _tensor_bytes(tensors) -> int:

@@ -190,25 +190,25 @@ BUGS += [  # the estimators and losses from verl 0.9's registry
         "alpha = 1.0",
     ),
     (
-        "losses.py",
+        "verl_losses.py",
         "GSPO: the sequence's summed log-ratio, not its mean",
         "seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths",
         "seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1)",
     ),
     (
-        "losses.py",
+        "verl_losses.py",
         "GSPO: the gradient through the sequence ratio",
         "log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)",
         "log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)",
     ),
     (
-        "losses.py",
+        "verl_losses.py",
         "CISPO: the gradient through the weight",
         "-clipped.detach() * advantages * log_prob",
         "-clipped * advantages * log_prob",
     ),
     (
-        "losses.py",
+        "verl_losses.py",
         "GPG loss: ascending the loss",
         "pg_losses = -log_prob * advantages",
         "pg_losses = log_prob * advantages",
@@ -216,14 +216,14 @@ BUGS += [  # the estimators and losses from verl 0.9's registry
 ]
 BUGS += [
     (
-        "losses.py",
+        "verl_losses.py",
         "SAPO: the temperatures swapped",
         "masked_fill(advantages > 0, tau_pos)",
         "masked_fill(advantages < 0, tau_pos)",
     ),
-    ("losses.py", "SAPO: the gate not scaled by 4 / tau", "* (4.0 / tau)", "* 4.0"),
+    ("verl_losses.py", "SAPO: the gate not scaled by 4 / tau", "* (4.0 / tau)", "* 4.0"),
     (
-        "losses.py",
+        "verl_losses.py",
         "GMPO: the optimistic side of the clip",
         "sign * torch.minimum(sign * log_ratio, sign * clamped)",
         "sign * torch.maximum(sign * log_ratio, sign * clamped)",

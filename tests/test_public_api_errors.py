@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-from refppo import advantages, functional, kl, losses, rewards, rollout_correction
+from refppo import advantages, functional, kl, losses, rewards, rollout_correction, verl_losses
 from refppo.checks import NonFiniteError
 
-MODULES = (functional, advantages, losses, kl, rewards, rollout_correction)
+MODULES = (functional, advantages, losses, verl_losses, kl, rewards, rollout_correction)
 B, T = 3, 4
 
 
@@ -110,6 +110,8 @@ GOOD = {
     "compute_policy_loss_gspo": lambda: _pair(
         clip_ratio=0.2, clip_ratio_low=3e-4, clip_ratio_high=4e-4, rollout_is_weights=_x(4).abs()
     ),
+    "check_loss_inputs": lambda: dict(response_mask=_mask(), advantages=_x(1), rollout_is_weights=_x(2).abs()),
+    "clip_bounds": lambda: dict(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28),
     "compute_policy_loss_sapo": lambda: _pair(tau_pos=1.0, tau_neg=1.05, rollout_is_weights=_x(4).abs()),
     "compute_policy_loss_geo_mean": lambda: _pair(
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_is_weights=_x(4).abs()
@@ -201,6 +203,8 @@ VALID = {
         for arg in ("clip_ratio_low", "clip_ratio_high", "rollout_is_weights")
     ),
     ("compute_policy_loss_gpg", "rollout_is_weights", "None"),
+    ("clip_bounds", "clip_ratio_low", "None"),
+    ("clip_bounds", "clip_ratio_high", "None"),
     ("compute_policy_loss_sapo", "rollout_is_weights", "None"),
     *((f, "loss_scale_factor", "None") for f in ("compute_policy_loss_cispo", "compute_policy_loss_gpg")),
     ("compute_value_loss", "cliprange_value", "None"),

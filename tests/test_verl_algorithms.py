@@ -16,9 +16,8 @@ from refppo.advantages import (
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
 )
-from refppo.losses import (
-    POLICY_LOSSES,
-    compute_policy_loss,
+from refppo.losses import POLICY_LOSSES, compute_policy_loss
+from refppo.verl_losses import (
     compute_policy_loss_cispo,
     compute_policy_loss_geo_mean,
     compute_policy_loss_gpg,
