@@ -81,6 +81,7 @@ ESTIMATOR_TAKES = when(  # a setting of the advantage estimator: read by those t
     lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", s.name),
 )
 KL_IN_REWARD = when(lambda s: s.config.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward=true")
+ENDS_AT_EOS = when(lambda s: not s.config.rollout.ignore_eos, "rollout.ignore_eos=false (responses that can end)")
 KL_LOSS = when(lambda s: s.config.actor.use_kl_loss, "actor.use_kl_loss=true")
 REFERENCE = when(
     lambda s: s.config.algorithm.use_kl_in_reward or s.config.actor.use_kl_loss,
@@ -294,8 +295,9 @@ class RewardModelConfig:
     model: PathConfig = section(PathConfig, needs=REWARD_MODEL)
     reward_fn: str | None = setting(None)  # "package.module:function"; None: the task's own rule
     micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=REWARD_MODEL, resumable=True)
-    # subtracted from the score of a response that never ended (as TRL)
-    missing_eos_penalty: float = setting(0.0, NONNEG)
+    # subtracted from the score of a response that never ended (as TRL); with rollout.ignore_eos
+    # every response runs to the limit, and the penalty would shift every score alike
+    missing_eos_penalty: float = setting(0.0, NONNEG, needs=ENDS_AT_EOS)
 
 
 @dataclass

@@ -364,6 +364,11 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
         ),
         (
             "ppo",
+            ["rollout.ignore_eos=true", "reward_model.missing_eos_penalty=3"],
+            r"reward_model.missing_eos_penalty=3 is ignored: .* read only with rollout.ignore_eos=false",
+        ),
+        (
+            "ppo",
             ["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=2"],
             "rollout.log_prob_micro_batch_size_per_gpu=2 is ignored",
         ),
