@@ -1,4 +1,5 @@
-"""The ``refppo`` command: ``refppo sft|rm|ppo [section.key=value ...]`` and ``refppo plot``.
+"""The ``refppo`` command: ``refppo sft|rm|ppo [section.key=value ...]``, ``refppo plot`` and
+``refppo doctor``.
 
 Each command writes a run folder (``trainer.output_dir``) with ``config.json``,
 ``metrics.jsonl`` and its model(s) saved with ``save_pretrained`` (the tokenizer beside them), so
@@ -8,6 +9,7 @@ the merged model, and ``<run>/actor_adapter`` holds the adapter alone). Examples
     refppo sft trainer.output_dir=runs/sft
     refppo ppo model.path=runs/sft/model trainer.output_dir=runs/ppo
     refppo plot runs/ppo runs/grpo -m val/score -m response_length/mean -o curves.png
+    refppo doctor runs/ppo
 """
 
 from __future__ import annotations
@@ -286,54 +288,6 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     _save_model(actor, tokenizer, run.path / "actor", world)
 
 
-def _check_image_path(out: str) -> None:
-    """Refuse an image path matplotlib cannot write: an unknown format, or a missing folder."""
-    from matplotlib.figure import Figure
-
-    formats = Figure().canvas.get_supported_filetypes()
-    suffix = Path(out).suffix.lstrip(".").lower()
-    if suffix not in formats:
-        raise ValueError(f"-o {out}: unknown image format {suffix!r}; use one of {', '.join(sorted(formats))}")
-    folder = Path(out).parent
-    if not folder.is_dir():
-        raise ValueError(f"-o {out}: no folder {folder}; create it first")
-
-
-def run_plot(argv: list[str]) -> int:
-    """``refppo plot RUN [RUN ...] -m METRIC [-m ...] -o FILE``: runs' metrics side by side."""
-    import argparse
-
-    from refppo.plots import XS, plot_runs
-
-    parser = argparse.ArgumentParser(
-        prog="refppo plot",
-        description="Plot metrics of several run folders side by side, one panel per metric. "
-        "A run is PATH or LABEL=PATH[,PATH...] (several paths: seeds of one setting, drawn as their mean "
-        "with a min-max band).",
-    )
-    parser.add_argument("runs", nargs="+", metavar="RUN")
-    parser.add_argument(
-        "-m", "--metric", action="append", required=True, help="a metric key, e.g. val/score (repeat for more panels)"
-    )
-    parser.add_argument("-o", "--out", required=True, help="the image to write (.png, .pdf, .svg)")
-    parser.add_argument("--x", choices=XS, default="step", help="step, or seconds spent in training steps")
-    parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over this many logged points")
-    parser.add_argument("--force", action="store_true", help="replace an existing output file")
-    args = parser.parse_args(argv)
-    runs = {}
-    for spec in args.runs:
-        label, sep, paths = spec.partition("=")
-        folders = paths.split(",") if sep else [spec]
-        runs[label if sep else Path(spec).name or spec] = folders
-    if os.path.exists(args.out) and not args.force:
-        raise ValueError(f"{args.out} exists; pass --force to replace it")
-    _check_image_path(args.out)
-    fig = plot_runs(runs, args.metric, x=args.x, smooth=args.smooth)  # every check before the write
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
-    return 0
-
-
 def _raised_by_refppo(error: BaseException) -> bool:
     """Whether the innermost frame of ``error``'s traceback is refppo's own code."""
     tb = error.__traceback__
@@ -383,17 +337,25 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "plot":
+        from refppo.plots import run_plot
+
         return run_plot(argv[1:])
+    if argv and argv[0] == "doctor":
+        from refppo.doctor import run_doctor
+
+        return run_doctor(argv[1:])
     asked = bool(argv) and argv[0] in ("-h", "--help")
     if not argv or argv[0] not in COMMANDS:
         out = sys.stdout if asked else sys.stderr
         if argv and not asked:  # a mistyped command: one line, not the whole help
-            print(f"refppo: error: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}, plot", file=out)
+            print(
+                f"refppo: error: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}, plot, doctor", file=out
+            )
         else:
             print(__doc__, file=out)
         print(
             f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]   (refppo COMMAND --help: its settings)\n"
-            "       refppo plot RUN [RUN ...] -m METRIC -o FILE",
+            "       refppo plot RUN [RUN ...] -m METRIC -o FILE\n       refppo doctor RUN [RUN ...]",
             file=out,
         )
         return 0 if asked else 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from refppo.runs import load_metrics
 
@@ -140,3 +141,49 @@ def plot_runs(
         ax.axis("off")
     fig.tight_layout()
     return fig
+
+
+def _check_image_path(out: str) -> None:
+    """Refuse an image path matplotlib cannot write: an unknown format, or a missing folder."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(out).suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"-o {out}: unknown image format {suffix!r}; use one of {', '.join(sorted(formats))}")
+    folder = Path(out).parent
+    if not folder.is_dir():
+        raise ValueError(f"-o {out}: no folder {folder}; create it first")
+
+
+def run_plot(argv: list[str]) -> int:
+    """``refppo plot RUN [RUN ...] -m METRIC [-m ...] -o FILE``: runs' metrics side by side."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="refppo plot",
+        description="Plot metrics of several run folders side by side, one panel per metric. "
+        "A run is PATH or LABEL=PATH[,PATH...] (several paths: seeds of one setting, drawn as their mean "
+        "with a min-max band).",
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN")
+    parser.add_argument(
+        "-m", "--metric", action="append", required=True, help="a metric key, e.g. val/score (repeat for more panels)"
+    )
+    parser.add_argument("-o", "--out", required=True, help="the image to write (.png, .pdf, .svg)")
+    parser.add_argument("--x", choices=XS, default="step", help="step, or seconds spent in training steps")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over this many logged points")
+    parser.add_argument("--force", action="store_true", help="replace an existing output file")
+    args = parser.parse_args(argv)
+    runs = {}
+    for spec in args.runs:
+        label, sep, paths = spec.partition("=")
+        folders = paths.split(",") if sep else [spec]
+        runs[label if sep else Path(spec).name or spec] = folders
+    if os.path.exists(args.out) and not args.force:
+        raise ValueError(f"{args.out} exists; pass --force to replace it")
+    _check_image_path(args.out)
+    fig = plot_runs(runs, args.metric, x=args.x, smooth=args.smooth)  # every check before the write
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0

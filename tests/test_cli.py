@@ -467,7 +467,7 @@ def test_bad_config_and_paths(tmp_path, capsys):
         main(["sft", "data.task=file", f"trainer.output_dir={out}"])
     assert main(["PPO"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("refppo: error: unknown command 'PPO'; commands: sft, rm, ppo, plot\nusage:"), err
+    assert err.startswith("refppo: error: unknown command 'PPO'; commands: sft, rm, ppo, plot, doctor\nusage:"), err
 
 
 @pytest.mark.parametrize(
