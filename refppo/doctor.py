@@ -59,40 +59,60 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _clip_fraction(rows: list[dict], config: Config) -> Finding | None:
-    value = _mean(_late(rows, "actor/pg_clipfrac"))
-    if value is not None and value > CLIP_FRACTION:
-        return Finding(
-            "the clip fraction saturates",
-            f"actor/pg_clipfrac {value:.3g} in the second half (healthy below 0.02): each update moves the policy "
-            "too far; lower actor.optim.lr, or actor.ppo_epochs",
-            "appendix A.3, a learning rate ten times too high",
-        )
-    return None
+@dataclass(frozen=True)
+class Threshold:
+    """A signature that is one metric's second-half mean past a limit: above it (``above``) or
+    below it, judged after the critic's warm-up if ``after_warmup``."""
+
+    key: str
+    above: bool
+    limit: float
+    name: str
+    advice: str
+    section: str
+    after_warmup: bool = False
+
+    def __call__(self, rows: list[dict], config: Config) -> Finding | None:
+        value = _mean(_late(rows, self.key, config.trainer.critic_warmup if self.after_warmup else 0))
+        if value is None or (value <= self.limit if self.above else value >= self.limit):
+            return None
+        return Finding(self.name, f"{self.key} {value:.3g} in the second half: {self.advice}", self.section)
 
 
-def _critic_lags(rows: list[dict], config: Config) -> Finding | None:
-    value = _mean(_late(rows, "critic/vf_explained_var", config.trainer.critic_warmup))
-    if value is not None and value < NEGATIVE_EV:
-        return Finding(
-            "the critic lags",
-            f"critic/vf_explained_var {value:.3g} in the second half: the values explain the returns worse than "
-            "their mean would; raise critic.optim.lr, or give the critic a warm-up",
-            "appendix A.3, a critic that learns too slowly",
-        )
-    return None
-
-
-def _value_clip(rows: list[dict], config: Config) -> Finding | None:
-    value = _mean(_late(rows, "critic/vf_clipfrac", config.trainer.critic_warmup))
-    if value is not None and value > VALUE_CLIP_FRACTION:
-        return Finding(
-            "the value clip binds",
-            f"critic/vf_clipfrac {value:.3g} in the second half: the clip holds the critic back; widen "
-            "critic.cliprange_value",
-            "appendix A.3, a value clip that is too tight",
-        )
-    return None
+CLIPPED = Threshold(
+    "actor/pg_clipfrac",
+    True,
+    CLIP_FRACTION,
+    "the clip fraction saturates",
+    "each update moves the policy too far (healthy: below 0.02); lower actor.optim.lr, or actor.ppo_epochs",
+    "appendix A.3, a learning rate ten times too high",
+)
+LAGGING = Threshold(
+    "critic/vf_explained_var",
+    False,
+    NEGATIVE_EV,
+    "the critic lags",
+    "the values explain the returns worse than their mean would; raise critic.optim.lr, or give the critic a warm-up",
+    "appendix A.3, a critic that learns too slowly",
+    after_warmup=True,
+)
+VALUE_CLIPPED = Threshold(
+    "critic/vf_clipfrac",
+    True,
+    VALUE_CLIP_FRACTION,
+    "the value clip binds",
+    "the clip holds the critic back; widen critic.cliprange_value",
+    "appendix A.3, a value clip that is too tight",
+    after_warmup=True,
+)
+AT_LIMIT = Threshold(
+    "response_length/clip_ratio",
+    True,
+    AT_THE_LIMIT,
+    "responses stuck at the length limit",
+    "responses stop ending (an unstable update, or a reward for length)",
+    "chapter 5, responses that never end",
+)
 
 
 def _drift(rows: list[dict], config: Config) -> Finding | None:
@@ -124,18 +144,6 @@ def _entropy_collapse(rows: list[dict], config: Config) -> Finding | None:
     return None
 
 
-def _length_limit(rows: list[dict], config: Config) -> Finding | None:
-    value = _mean(_late(rows, "response_length/clip_ratio"))
-    if value is not None and value > AT_THE_LIMIT:
-        return Finding(
-            "responses stuck at the length limit",
-            f"response_length/clip_ratio {value:.3g} in the second half: responses stop ending (an unstable "
-            "update, or a reward for length)",
-            "chapter 5, responses that never end",
-        )
-    return None
-
-
 def _kl_runaway(rows: list[dict], config: Config) -> Finding | None:
     kl = config.algorithm.kl_ctrl
     if not config.algorithm.use_kl_in_reward or kl.type == "fixed":
@@ -151,7 +159,7 @@ def _kl_runaway(rows: list[dict], config: Config) -> Finding | None:
     return None
 
 
-SIGNATURES = (_clip_fraction, _critic_lags, _value_clip, _drift, _entropy_collapse, _length_limit, _kl_runaway)
+SIGNATURES = (CLIPPED, LAGGING, VALUE_CLIPPED, _drift, _entropy_collapse, AT_LIMIT, _kl_runaway)
 
 
 def diagnose(rows: list[dict], config: Config) -> list[Finding]:
