@@ -14,7 +14,6 @@ from refppo.checks import (
     check_ndim,
     check_number,
     check_same_shape,
-    check_tensors,
     check_values,
     checks_once,
 )
@@ -112,7 +111,8 @@ def _group_ids(index: Sequence | torch.Tensor, batch: int, device: torch.device)
     if len(index) != batch:
         raise ValueError(f"index has {len(index)} entries but the batch has {batch} rows")
     if isinstance(index, torch.Tensor):
-        check_tensors(index=index, token_level_rewards=torch.empty(0, device=device))
+        if index.is_meta:  # another device is fine (the ids are moved), but meta holds no labels
+            raise ValueError("index is on the meta device: it holds no group labels")
         uniq, ids = torch.unique(index, return_inverse=True)
         return ids.to(device), len(uniq)
     lookup: dict = {}
