@@ -42,7 +42,7 @@ __all__ = [
 ]  # fmt: skip
 
 TASKS = ("arithmetic", "preference", "file")
-POLICY_MODES = ("decoupled", "bypass", "rollout_correction")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
 LR_SCHEDULERS = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 COMMANDS = ("sft", "rm", "ppo")
@@ -88,12 +88,10 @@ REFERENCE = when(
     "algorithm.use_kl_in_reward=true or actor.use_kl_loss=true (the reference pass)",
 )
 OLD_LOG_PROB_PASS = when(
-    lambda s: s.config.actor.policy_mode != "bypass",
-    "an actor.policy_mode other than bypass (bypass reuses the sampler's log-probs)",
+    lambda s: not s.config.algorithm.rollout_correction.bypass_mode,
+    "algorithm.rollout_correction.bypass_mode=false (bypass reuses the sampler's log-probs)",
 )
-ROLLOUT_CORRECTION = when(
-    lambda s: s.config.actor.policy_mode == "rollout_correction", "actor.policy_mode=rollout_correction"
-)
+IS_WEIGHTS = when(lambda s: s.owner.rollout_is is not None, "algorithm.rollout_correction.rollout_is=token or sequence")
 ONE_CLIP_BOUND_UNSET = when(
     lambda s: s.owner.clip_ratio_low is None or s.owner.clip_ratio_high is None,
     "actor.clip_ratio_low or actor.clip_ratio_high null (both are set)",
@@ -209,15 +207,13 @@ class ActorConfig:
     loss_agg_mode: str = setting("token-mean", LOSS_AGG_MODES)
     # seq-mean-token-sum-norm's divisor; None: data.max_response_length
     loss_scale_factor: float | None = setting(None, POSITIVE, needs=ACTOR_NORM)
-    # clip | penalty (PPO-penalty: a KL-to-old penalty) | verl's gspo, sapo, cispo, geo_mean, gpg
+    # clip (verl's vanilla) | penalty (PPO-penalty: a KL-to-old penalty) | verl's gspo, sapo, cispo,
+    # geo_mean, gpg
     policy_loss: str = setting("clip", POLICY_LOSSES.names)
     penalty_kl_coef: float = setting(0.1, NONNEG, needs=LOSS_TAKES)
     penalty_kl_type: str = setting("kl", kl_penalty_types, needs=LOSS_TAKES)
     tau_pos: float = setting(1.0, POSITIVE, needs=LOSS_TAKES)  # SAPO's gate temperatures (A > 0, A <= 0)
     tau_neg: float = setting(1.05, POSITIVE, needs=LOSS_TAKES)
-    policy_mode: str = setting("decoupled", POLICY_MODES)
-    # the truncation of exp(old - rollout) in rollout_correction
-    rollout_is_threshold: float = setting(2.0, "(0, inf]", needs=ROLLOUT_CORRECTION)
     use_kl_loss: bool = setting(False)
     kl_loss_coef: float = setting(0.001, NONNEG, needs=KL_LOSS)
     kl_loss_type: str = setting("low_var_kl", kl_penalty_types, needs=KL_LOSS)
@@ -312,6 +308,22 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*`` (verl's names, ch 6.5): the sampler's log-probs against the
+    trainer's. ``bypass_mode`` takes the sampler's as pi_old and runs no old-log-prob pass;
+    otherwise ``rollout_is`` weights each token's policy loss by the truncated importance weight
+    pi_old / pi_rollout, of the token or of the whole sequence
+    (:func:`refppo.rollout_correction.compute_rollout_is_weights`)."""
+
+    # null: no weights. In bypass mode the PPO ratio is already against the sampler, so verl
+    # computes the weights there for its metrics only: refppo refuses them.
+    rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS, needs=OLD_LOG_PROB_PASS)
+    rollout_is_threshold: float = setting(2.0, "(0, inf]", needs=IS_WEIGHTS)  # the weights' truncation
+    rollout_is_batch_normalize: bool = setting(False, needs=IS_WEIGHTS)  # divide by their batch mean
+    bypass_mode: bool = setting(False)
+
+
+@dataclass
 class AlgorithmConfig:
     """``algorithm.*`` (verl's ``algorithm.*``): discounting, the advantage estimator and KL in the
     reward."""
@@ -323,6 +335,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = setting(False)
     kl_penalty: str = setting("kl", kl_penalty_types, needs=KL_IN_REWARD)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, needs=KL_IN_REWARD)
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig)
 
 
 @dataclass

@@ -121,7 +121,7 @@ def _drift(rows: list[dict], config: Config) -> Finding | None:
         return None
     why = (
         "in bypass mode the first epoch's ratio is then not 1"
-        if config.actor.policy_mode == "bypass"
+        if config.algorithm.rollout_correction.bypass_mode
         else "the sampler's probabilities are not the trainer's (a temperature, a kernel, a lag)"
     )
     return Finding(

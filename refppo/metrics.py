@@ -67,13 +67,13 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
     Args:
         batch: an evaluated batch (``refppo.trainer``'s layout): token-level scores and rewards,
             advantages, returns, (values), old and rollout log-probs, masks, prompts.
-        config: the run's settings (the length limits, ``actor.policy_mode``).
+        config: the run's settings (the length limits, ``algorithm.rollout_correction``).
         use_critic: the batch holds the critic's ``values``.
 
     Returns:
         ``critic/score/{mean,max,min}``, the same for rewards, advantages, returns (and values,
         with ``critic/vf_explained_var``), ``response_length/*`` and ``prompt_length/*`` with
-        their ``clip_ratio``, and, unless ``policy_mode=bypass``, the sampler's probabilities
+        their ``clip_ratio``, and, outside bypass mode, the sampler's probabilities
         against the recomputed ones (``training/rollout_probs_diff_*``,
         ``training/rollout_actor_probs_pearson_corr``); scalar tensors.
     """
@@ -93,7 +93,7 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
         mean_max_min("critic/values", batch["values"], mask)
         residual_var = masked_var(batch["returns"] - batch["values"], mask)
         out["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(batch["returns"], mask) + 1e-5)
-    if config.actor.policy_mode != "bypass":
+    if not config.algorithm.rollout_correction.bypass_mode:
         # verl's debug metrics: the sampler's token probabilities against the trainer's own
         # recomputation; far from 0 (and a correlation below 1) when the two disagree
         old, rollout = batch["old_log_probs"].exp(), batch["rollout_log_probs"].exp()

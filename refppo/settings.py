@@ -207,9 +207,9 @@ def _check_combinations(config: Config) -> None:
         "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu",
     )
     _require(
-        a.policy_mode != "rollout_correction" or POLICY_LOSSES.takes(a.policy_loss, "rollout_is_weights"),
-        f"actor.policy_mode=rollout_correction weights each token's loss, but actor.policy_loss={a.policy_loss} "
-        "takes no weights",
+        alg.rollout_correction.rollout_is is None or POLICY_LOSSES.takes(a.policy_loss, "rollout_is_weights"),
+        f"algorithm.rollout_correction.rollout_is={alg.rollout_correction.rollout_is} weights each token's loss, but "
+        f"actor.policy_loss={a.policy_loss} takes no weights",
     )
     _require(
         alg.adv_estimator not in ("gae", "reinforce_plus_plus") or d.train_batch_size * r.n >= 2,

@@ -14,8 +14,8 @@ unless said:
 
 - ``ref_log_prob``: log pi_ref of each response token (when a KL uses the reference);
 - ``old_log_probs``: log pi_old, the actor before this step's update (the rollout's own
-  log-probs in ``policy_mode=bypass``); ``rollout_is_weights``: min(pi_old / pi_rollout, C)
-  (``policy_mode=rollout_correction`` only);
+  log-probs in bypass mode); ``rollout_is_weights``: the truncated pi_old / pi_rollout (with
+  ``algorithm.rollout_correction.rollout_is`` only);
 - ``values``: the critic's V(s_t) (when the advantage estimator reads values);
 - ``token_level_scores``: the score on the last valid token; ``token_level_rewards``: the
   same minus beta * KL per token when ``algorithm.use_kl_in_reward``, else equal to it;
@@ -174,11 +174,11 @@ class PPOTrainer:
         Returns:
             Metrics as detached scalars: ``reward/<name>/mean`` of the extra reward functions,
             ``actor/entropy`` (the sampling policy's, from the old-log-prob pass: none in
-            ``policy_mode=bypass``, as in verl 0.9) and, with KL in the reward, its estimate and
+            bypass mode, as in verl 0.9) and, with KL in the reward, its estimate and
             coefficient.
         """
         c, mask, device, passes = self.config, batch["response_mask"], self.device, self.accel.actor
-        temp = c.rollout.temperature
+        temp, correction = c.rollout.temperature, c.algorithm.rollout_correction
         # 2a. the score of each response: a reward model or a rule
         with timer(timing, "reward", device):
             scores, extras = self.score(batch, rows)
@@ -188,7 +188,7 @@ class PPOTrainer:
                 micro = c.ref.log_prob_micro_batch_size_per_gpu
                 batch["ref_log_prob"] = passes.compute_log_probs(self.reference, batch, temp, micro)
         entropy = None  # (B, R): the sampling policy's, from the old-log-prob pass (bypass runs none)
-        if c.actor.policy_mode == "bypass":
+        if correction.bypass_mode:
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
             with timer(timing, "old_log_prob", device):
@@ -206,10 +206,10 @@ class PPOTrainer:
         mask = batch["response_mask"]
         stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
         # 2d. token-level rewards (KL in the reward) and advantages
-        if c.actor.policy_mode == "rollout_correction":
-            batch["rollout_is_weights"] = compute_rollout_is_weights(
-                batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor.rollout_is_threshold
-            )
+        if correction.rollout_is is not None:
+            old, rollout, level = batch["old_log_probs"], batch["rollout_log_probs"], correction.rollout_is
+            threshold, normalize = correction.rollout_is_threshold, correction.rollout_is_batch_normalize
+            batch["rollout_is_weights"] = compute_rollout_is_weights(old, rollout, mask, threshold, level, normalize)
         with timer(timing, "adv", device):
             stats |= self._rewards_and_advantages(batch, scores)
         # The update reads these in every micro-batch: check their values here, once per step.

@@ -10,6 +10,13 @@ from refppo.tasks.tokenizer import build_tokenizer
 from refppo.trainer import PPOTrainer
 
 TOK = build_tokenizer()
+# The sampler's log-probs against the trainer's (ch 6.5), as verl's rollout_correction settings.
+MODES = {
+    "decoupled": [],
+    "bypass": ["algorithm.rollout_correction.bypass_mode=true"],
+    "token_is": ["algorithm.rollout_correction.rollout_is=token"],
+    "sequence_is": ["algorithm.rollout_correction.rollout_is=sequence"],
+}
 RECORDS = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
 
 

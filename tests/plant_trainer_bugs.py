@@ -26,10 +26,16 @@ BUGS = [
     ),
     (
         "IS weights inverted",
-        'batch["old_log_probs"], batch["rollout_log_probs"], mask, c.actor',
-        'batch["rollout_log_probs"], batch["old_log_probs"], mask, c.actor',
+        'old, rollout, level = batch["old_log_probs"], batch["rollout_log_probs"]',
+        'rollout, old, level = batch["old_log_probs"], batch["rollout_log_probs"]',
     ),
-    ("IS weights not truncated", "mask, c.actor.rollout_is_threshold", 'mask, float("inf")'),
+    ("IS weights not truncated", "(old, rollout, mask, threshold, level", '(old, rollout, mask, float("inf"), level'),
+    (
+        "IS weights always per token",
+        "rollout, mask, threshold, level, normalize)",
+        'rollout, mask, threshold, "token", normalize)',
+    ),
+    ("IS weights never normalised", "mask, threshold, level, normalize)", "mask, threshold, level, False)"),
     (
         "KL in the reward: arguments swapped",
         'batch["old_log_probs"],\n                batch["ref_log_prob"],',

@@ -369,7 +369,7 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
         ),
         (
             "ppo",
-            ["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=2"],
+            ["algorithm.rollout_correction.bypass_mode=true", "rollout.log_prob_micro_batch_size_per_gpu=2"],
             "rollout.log_prob_micro_batch_size_per_gpu=2 is ignored",
         ),
         (

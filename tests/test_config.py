@@ -180,12 +180,21 @@ def test_bad_values():
             r"\(both are set\)",
         ),
         (
-            ["actor.rollout_is_threshold=1.5"],
-            "actor.rollout_is_threshold=1.5 is ignored: .* read only with actor.policy_mode=rollout_correction",
+            ["algorithm.rollout_correction.rollout_is_threshold=1.5"],
+            "algorithm.rollout_correction.rollout_is_threshold=1.5 is ignored: .* read only with "
+            "algorithm.rollout_correction.rollout_is=token or sequence",
         ),
         (
-            ["actor.policy_mode=bypass", "rollout.log_prob_micro_batch_size_per_gpu=4"],
-            "rollout.log_prob_micro_batch_size_per_gpu=4 is ignored: .* other than bypass",
+            ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
+            "algorithm.rollout_correction.rollout_is=token is ignored: .*bypass_mode=false",
+        ),
+        (
+            ["algorithm.rollout_correction.rollout_is=tokens"],
+            "algorithm.rollout_correction.rollout_is",
+        ),
+        (
+            ["algorithm.rollout_correction.bypass_mode=true", "rollout.log_prob_micro_batch_size_per_gpu=4"],
+            "rollout.log_prob_micro_batch_size_per_gpu=4 is ignored: .*bypass_mode=false",
         ),
         (
             ["actor.loss_scale_factor=8"],

@@ -92,7 +92,7 @@ def test_the_kl_target_is_read_only_with_a_controller_that_has_one():
 
 def test_drift_in_bypass_mode_names_the_first_epochs_ratio():
     rows, _ = CASES["the sampler and the trainer disagree"]
-    (finding,) = diagnose(rows, config(["actor.policy_mode=bypass"]))
+    (finding,) = diagnose(rows, config(["algorithm.rollout_correction.bypass_mode=true"]))
     assert "first epoch's ratio is then not 1" in finding.message
 
 

@@ -115,10 +115,14 @@ def test_new_policy_loss_trains_and_logs_only_its_own_metrics():
     assert not any(k.startswith(("actor/pg_clipfrac", "actor/ppo_kl")) for k in metrics)  # no zero-filled placeholders
     with pytest.raises(ValueError, match="takes no weights"):
         validate(
-            apply_overrides(Config(), ["actor.policy_loss=test_vanilla_pg", "actor.policy_mode=rollout_correction"])
+            apply_overrides(
+                Config(), ["actor.policy_loss=test_vanilla_pg", "algorithm.rollout_correction.rollout_is=token"]
+            )
         )
     with pytest.raises(ValueError, match="takes no weights"):
-        validate(apply_overrides(Config(), ["actor.policy_loss=penalty", "actor.policy_mode=rollout_correction"]))
+        validate(
+            apply_overrides(Config(), ["actor.policy_loss=penalty", "algorithm.rollout_correction.rollout_is=token"])
+        )
 
 
 def test_new_policy_loss_gradient_is_its_formula():

@@ -95,8 +95,8 @@ def test_first_minibatch_has_ratio_one_in_decoupled_mode():
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["actor.policy_mode=bypass"],
-        ["actor.policy_mode=rollout_correction", "actor.rollout_is_threshold=1.5"],
+        ["algorithm.rollout_correction.bypass_mode=true"],
+        ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=1.5"],
         ["actor.policy_loss=penalty", "actor.penalty_kl_coef=0.5"],
         ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=100"],
         ["actor.use_kl_loss=true", "actor.kl_loss_type=k3"],

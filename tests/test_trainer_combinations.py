@@ -12,7 +12,7 @@ actor that moved exactly when a gradient reached it.
 import math
 
 import torch
-from _trainers import make_trainer
+from _trainers import MODES, make_trainer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +65,7 @@ def configs(draw) -> tuple[list[str], int]:
     critic_mini = draw(st.sampled_from([d for d in (1, 2, 4) if prompts % d == 0]))
     loss = draw(st.sampled_from(LOSSES))
     weighted = POLICY_LOSSES.takes(loss, "rollout_is_weights")  # what rollout_correction needs
-    mode = draw(st.sampled_from(["decoupled", "bypass", *(["rollout_correction"] if weighted else [])]))
+    mode = draw(st.sampled_from(["decoupled", "bypass", *(["token_is", "sequence_is"] if weighted else [])]))
     warmup = draw(st.sampled_from([0, 1])) if estimator == "gae" else 0  # a warm-up is for a critic
     overrides = [
         f"algorithm.adv_estimator={estimator}",
@@ -74,7 +74,7 @@ def configs(draw) -> tuple[list[str], int]:
         f"data.max_response_length={response_len}",
         f"actor.ppo_mini_batch_size={mini}",
         f"actor.ppo_epochs={draw(st.integers(1, 2))}",
-        f"actor.policy_mode={mode}",
+        *MODES[mode],
         f"actor.policy_loss={loss}",
         f"actor.loss_agg_mode={draw(st.sampled_from(AGG))}",
         f"actor.entropy_coeff={(coeff := draw(st.sampled_from([0.0, 0.01])))}",
@@ -147,7 +147,10 @@ def test_every_valid_combination_trains(drawn, seed):
             first = trainer.last_update_stats[0]
             if config.actor.use_kl_loss and step == 1:
                 assert abs(first["actor/kl_loss"]) <= tol, (overrides, lora_rank)
-            if config.actor.policy_mode == "decoupled":
+            if (
+                not config.algorithm.rollout_correction.bypass_mode
+                and config.algorithm.rollout_correction.rollout_is is None
+            ):
                 assert abs(first["actor/ppo_kl"]) <= tol and first.get("actor/pg_clipfrac", 0.0) == 0.0, (
                     overrides,
                     lora_rank,

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from _trainers import TOK, first_char_is_seven, make_trainer
+from _trainers import MODES, TOK, first_char_is_seven, make_trainer
 
 import refppo.trainer
 from refppo.forward import compute_log_probs, compute_values
@@ -145,8 +145,15 @@ def expected_actor_loss(trainer, batch):
         pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
         if a.clip_ratio_c is not None:
             pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
-        if a.policy_mode == "rollout_correction":
-            pg = pg * torch.exp(old - batch["rollout_log_probs"]).clamp(max=a.rollout_is_threshold)
+        rc = trainer.config.algorithm.rollout_correction
+        if rc.rollout_is is not None:  # verl's truncated importance weights, written plainly
+            log_ratio = (old - batch["rollout_log_probs"]) * mask
+            if rc.rollout_is == "sequence":
+                log_ratio = log_ratio.sum(-1, keepdim=True)
+            weights = (log_ratio.exp() * mask).clamp(max=rc.rollout_is_threshold)
+            if rc.rollout_is_batch_normalize:
+                weights = weights / (weights.sum() / mask.sum() if rc.rollout_is == "token" else weights[:, 0].mean())
+            pg = pg * weights
     scale = a.loss_scale_factor or trainer.config.data.max_response_length
     loss = plain_agg(pg, mask, a.loss_agg_mode, scale) - a.entropy_coeff * plain_agg(
         entropy, mask, a.loss_agg_mode, scale
@@ -180,7 +187,8 @@ def check_every_update(overrides, steps=2, prepare=None, **kw):
     trainer = make_trainer([*BATCH, *overrides], **kw)
     if prepare is not None:
         prepare(trainer)
-    if trainer.config.actor.policy_mode != "decoupled":
+    rc = trainer.config.algorithm.rollout_correction
+    if rc.bypass_mode or rc.rollout_is is not None:
         perturb_rollout_log_probs(trainer)
     batches, checks = capture(trainer)
     seen = {"actor_opt": 0, "critic_opt": 0}
@@ -308,8 +316,9 @@ def test_token_budget_micro_batches_give_the_plain_gradient(mode):
         ["actor.entropy_coeff=0.3"],
         ["actor.use_kl_loss=true", "actor.kl_loss_type=k2", "actor.kl_loss_coef=0.5"],
         ["actor.policy_loss=penalty", "actor.penalty_kl_coef=2.0", "actor.ppo_epochs=2"],
-        ["actor.policy_mode=bypass", "actor.ppo_epochs=2"],
-        ["actor.policy_mode=rollout_correction", "actor.rollout_is_threshold=1.2", "actor.ppo_epochs=2"],
+        ["algorithm.rollout_correction.bypass_mode=true", "actor.ppo_epochs=2"],
+        [*MODES["token_is"], "algorithm.rollout_correction.rollout_is_threshold=1.2", "actor.ppo_epochs=2"],
+        [*MODES["sequence_is"], "algorithm.rollout_correction.rollout_is_batch_normalize=true", "actor.ppo_epochs=2"],
         ["algorithm.adv_estimator=grpo", "rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"],
         ["rollout.temperature=0.7"],
         # log-probs from the hidden states (the LM head fused into the log-softmax), every term on
@@ -413,7 +422,7 @@ def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, mo
 
 
 @pytest.mark.parametrize(
-    "mode, fused", [("decoupled", False), ("bypass", False), ("rollout_correction", False), ("decoupled", True)]
+    "mode, fused", [("decoupled", False), ("bypass", False), ("token_is", False), ("decoupled", True)]
 )
 def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     """old log-probs from the actor (or the rollout), reference log-probs from the frozen copy,
@@ -427,11 +436,11 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
             "algorithm.kl_ctrl.kl_coef=0.3",
             "algorithm.lam=0.9",
             "algorithm.gamma=0.95",
-            f"actor.policy_mode={mode}",
+            *MODES[mode],
             "actor.loss_agg_mode=seq-mean-token-sum-norm",
             "actor.loss_scale_factor=3",
             f"model.use_fused_kernels={str(fused).lower()}",
-            *(["actor.rollout_is_threshold=1.02"] if mode == "rollout_correction" else []),
+            *(["algorithm.rollout_correction.rollout_is_threshold=1.02"] if mode == "token_is" else []),
         ]
     )
     reference = copy.deepcopy(trainer.actor)
@@ -473,7 +482,7 @@ def test_evaluate_phase_fills_every_key_from_the_right_model(mode, fused):
     valid = mask.bool()  # as verl's, padding holds whatever whitening leaves there; no loss reads it
     torch.testing.assert_close(batch["advantages"][valid], adv[valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(batch["returns"][valid], returns[valid], atol=1e-5, rtol=0)
-    if mode == "rollout_correction":
+    if mode == "token_is":
         weights = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"]).clamp(max=1.02) * mask
         assert (weights[mask.bool()] < 0.9).any() and (weights == 1.02).any(), "both sides of 1 are exercised"
         torch.testing.assert_close(batch["rollout_is_weights"], weights)
@@ -562,7 +571,7 @@ def test_throughput_metrics_are_verls():
 
 @pytest.mark.parametrize("mode", ["decoupled", "bypass"])
 def test_rollout_probs_diff_is_verls_debug_metric(mode):
-    trainer = make_trainer([*BATCH, "data.max_response_length=3", f"actor.policy_mode={mode}"])
+    trainer = make_trainer([*BATCH, "data.max_response_length=3", *MODES[mode]])
     batches, _ = capture(trainer)
     m = trainer.train_step()
     if mode == "bypass":  # old log-probs are the rollout's: nothing to compare
