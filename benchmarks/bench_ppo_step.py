@@ -11,9 +11,9 @@ one optimiser step per mini-batch. TRL is ``trl==0.29.1`` (``pip install -e ".[b
 
 The two do not compute the same things, and the difference is part of what is measured: TRL
 keeps the logits of every sampling step and takes the old log-probs from them (verl calls this
-``bypass``), where refppo recomputes them in a forward pass (``actor.policy_mode=decoupled``,
+``bypass``), where refppo recomputes them in a forward pass (``algorithm.rollout_correction.bypass_mode=false``,
 verl's default); TRL updates actor and critic with one optimiser on a summed loss, refppo with
-two; TRL also computes each micro-batch's entropy for its logs. ``actor.policy_mode=bypass`` runs
+two; TRL also computes each micro-batch's entropy for its logs. ``algorithm.rollout_correction.bypass_mode=true`` runs
 refppo the way TRL does.
 
 Each side runs in a fresh process (its own peak memory), alternating for ``--rounds`` rounds;
@@ -45,7 +45,7 @@ loop included). Peak memory: CUDA, the peak allocated; CPU, the process's peak r
 Usage: python benchmarks/bench_ppo_step.py [--workloads W1,W2] [--impls refppo,trl] [--rounds 3]
        [--steps 5] [--threads N] [--device cpu|cuda] [--json out.json] [--plus "key=value ..."]
        [--chunk-elements N] [--cpu-bf16]
-       [key=value ...]   (refppo config overrides, e.g. actor.policy_mode=bypass)
+       [key=value ...]   (refppo config overrides, e.g. algorithm.rollout_correction.bypass_mode=true)
 """
 
 from __future__ import annotations

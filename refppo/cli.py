@@ -10,6 +10,10 @@ the merged model, and ``<run>/actor_adapter`` holds the adapter alone). Examples
     refppo ppo model.path=runs/sft/model trainer.output_dir=runs/ppo
     refppo plot runs/ppo runs/grpo -m val/score -m response_length/mean -o curves.png
     refppo doctor runs/ppo
+    refppo ppo model.path=runs/sft/model --print-verl   # the same run as a verl command line
+
+Settings take refppo's short keys or verl 0.9's full ones (``actor_rollout_ref.actor.optim.lr``);
+a setting of verl's engine is noted and has no effect (:mod:`refppo.verl_names`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from refppo.runs import RunFolder, check_free, check_resume, check_writable, sum
 from refppo.settings import format_value, ignored_message, ignored_settings, read_settings, valid_text, validate
 from refppo.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit
 from refppo.tasks import preference
+from refppo.verl_map import verl_command, verl_line_defaults
+from refppo.verl_names import is_verl_line, translate
 
 
 def settings_help(command: str, config: Config | None = None) -> str:
@@ -53,7 +59,8 @@ def settings_help(command: str, config: Config | None = None) -> str:
             )
         )
     width = max(len(setting) for setting, _ in rows) + 2
-    lines = [f"usage: refppo {command} [key=value ...]", "", "settings (key=default, then the valid values):"]
+    usage = f"usage: refppo {command} [key=value ...]" + (" [--print-verl]" if command == "ppo" else "")
+    lines = [usage, "", "settings (key=default, then the valid values; verl 0.9's full keys are accepted too):"]
     return "\n".join(lines + [f"  {setting.ljust(width)}{valid}".rstrip() for setting, valid in rows])
 
 
@@ -231,6 +238,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     from refppo.fit import fit
     from refppo.models import add_lora, freeze, load_causal_lm, load_value_model
     from refppo.reward_fns import check_scores, describe, load_reward_fn
+    from refppo.tasks.rules import rule_problem
     from refppo.trainer import PPOTrainer
 
     if config.model.path is None:
@@ -239,6 +247,12 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     check_rollouts_fit(config, world, device)
     train, val, task_reward = task_data(config, tokenizer)
     check_batch_fits(config.data.train_batch_size, len(train), "data.train_batch_size", "training prompts")
+    t = config.trainer
+    if t.total_epochs is not None:  # verl's loader drops the last partial batch of an epoch
+        t.total_training_steps = min(
+            t.total_training_steps, t.total_epochs * (len(train) // config.data.train_batch_size)
+        )
+        validate(config, "ppo")
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device)
     if config.model.lora_rank > 0:
@@ -252,8 +266,10 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device, require_head=True))
     reward_fn = load_reward_fn(rm_cfg.reward_fn) if rm_cfg.reward_fn else task_reward
     if reward_fn is None and reward_model is None:
+        problem = next(p for record in train + val if (p := rule_problem(record)) is not None)
         raise ValueError(
-            "data.task=file needs reward_model.reward_fn=package.module:function or reward_model.enable=true"
+            "data.task=file needs reward_model.reward_fn=package.module:function, reward_model.enable=true, or "
+            f"records refppo has a rule for (a record: {problem})"
         )
     if reward_fn is not None:  # a reward function that cannot score is found before the run folder exists
         probe = val[:2]
@@ -274,18 +290,47 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         extra_reward_fns=extras,
         world=world,
     )
-    if config.trainer.tensorboard:
+    if "tensorboard" in config.trainer.logger:
         tensorboard_writer()  # installed, before the run folder exists
     run = make_run()
     if run.resume is not None:
         trainer.load_checkpoint(run.resume.folder, run.resume.state)
-    if config.trainer.tensorboard:
+    if "tensorboard" in config.trainer.logger:
         run.enable_tensorboard()
     fit(trainer, run, config.trainer.progress_bar)
     if config.model.lora_rank > 0:  # the adapter, then the merged model the next stage loads as model.path
         _save_model(actor, tokenizer, run.path / "actor_adapter", world)
         actor = actor.merge_and_unload()
     _save_model(actor, tokenizer, run.path / "actor", world)
+
+
+def configured(command: str, given: list[str]) -> tuple[Config, list[str]]:
+    """The settings of ``refppo <command> <given>`` (in refppo's or verl's spelling), checked, and
+    the notes to print: verl's engine settings, and, from a verl command line, the settings verl
+    too would leave unread in its configuration, which refppo then drops instead of refusing."""
+    overrides, notes = translate(given)
+
+    def fresh() -> Config:
+        config = Config()
+        config.trainer.output_dir = f"runs/{command}"
+        return config
+
+    defaults = []
+    if is_verl_line(given):
+        config = apply_overrides(fresh(), overrides)
+        unread = ignored_settings(config, command)
+        for item in [item for item in overrides if item.partition("=")[0].strip() in unread]:
+            key = item.partition("=")[0].strip()
+            notes.append(f"{item} is not read: {key} is read only with {unread[key]} (verl leaves it unread too)")
+            overrides.remove(item)
+        defaults = verl_line_defaults(config, overrides, command)
+        if defaults:
+            notes.append(
+                f"a verl command line: verl 0.9's defaults where refppo's are for tiny models: {' '.join(defaults)}"
+            )
+    config = fresh()
+    check_overrides_are_read(command, apply_overrides(config, [*defaults, *overrides]), overrides)
+    return validate(config, command), notes
 
 
 def _raised_by_refppo(error: BaseException) -> bool:
@@ -305,7 +350,7 @@ def entry() -> int:
     started, world = [], launched_world()
     try:
         if sys.argv[1:2] and sys.argv[1] in COMMANDS:
-            check_once(sys.argv[2:])
+            check_once(translate(sys.argv[2:])[0])  # in refppo's spelling: one setting, two names
         return main(on_start=lambda: started.append(True))
     except (ValueError, OSError, ImportError) as error:
         if started or not _raised_by_refppo(error):
@@ -363,11 +408,13 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     if "-h" in overrides or "--help" in overrides:
         print(settings_help(command))
         return 0
-    config = Config()
-    config.trainer.output_dir = f"runs/{command}"
-    check_overrides_are_read(command, apply_overrides(config, overrides), overrides)
-    validate(config, command)
+    config, notes = configured(command, [o for o in overrides if o != "--print-verl"])
     world = launched_world()  # torchrun's processes, or one
+    if world.main:
+        print("".join(f"refppo: note: {note}\n" for note in notes), end="", file=sys.stderr)
+    if "--print-verl" in argv:
+        print(verl_command(config, command))
+        return 0
     check_world(config, world)
     device = start(world, resolve_device(config.trainer.device))
     out = config.trainer.output_dir

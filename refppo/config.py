@@ -45,6 +45,7 @@ TASKS = ("arithmetic", "preference", "file")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 LR_SCHEDULERS = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
+LOGGERS = ("console", "tensorboard")
 COMMANDS = ("sft", "rm", "ppo")
 # Numeric ranges in interval notation ("inf)" excludes infinity; NaN is in no range).
 POSITIVE, COUNT, NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
@@ -109,6 +110,7 @@ WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps == -1, lambda s: f"{s.s
 COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")
 KL_CTRL_TARGET = when(lambda s: s.owner.type != "fixed", "algorithm.kl_ctrl.type=adaptive or ppo_paper")
 KL_CTRL_ADAPTIVE = when(lambda s: s.owner.type == "adaptive", "algorithm.kl_ctrl.type=adaptive")
+EVALUATING = when(lambda s: s.owner.test_freq > 0, "trainer.test_freq > 0")
 LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
 FILE_TASK = when(lambda s: s.config.data.task == "file", "data.task=file")
 ARITHMETIC = when(lambda s: s.config.data.task == "arithmetic", "data.task=arithmetic")
@@ -132,8 +134,8 @@ class DataConfig:
 
     task: str = setting("arithmetic", TASKS, commands=COMMANDS)  # file: prompts from data.train_files
     # JSONL or Parquet with a prompt column: texts or chats (verl's format)
-    train_files: str | None = setting(None, needs=FILE_TASK)
-    val_files: str | None = setting(None, needs=FILE_TASK)  # None: the first data.val_size training prompts
+    train_files: tuple[str, ...] | None = setting(None, needs=FILE_TASK)  # one file, or several: [a,b]
+    val_files: tuple[str, ...] | None = setting(None, needs=FILE_TASK)  # None: the first data.val_size training prompts
     prompt_key: str = setting("prompt", needs=FILE_TASK)
     train_batch_size: int = setting(64, COUNT)  # prompts per step
     # prompts evaluated (arithmetic's are held out of training; preference has only 56); SFT scores
@@ -142,6 +144,8 @@ class DataConfig:
     max_prompt_length: int = setting(16, COUNT, commands=("sft", "ppo"))
     max_response_length: int = setting(8, COUNT, commands=("sft", "ppo"))
     truncation: str = setting("error", TRUNCATION_MODES)
+    # drop the prompts longer than data.max_prompt_length instead (verl's; before any truncation)
+    filter_overlong_prompts: bool = setting(False, needs=FILE_TASK)
 
 
 @dataclass
@@ -208,12 +212,19 @@ class ActorConfig:
     # seq-mean-token-sum-norm's divisor; None: data.max_response_length
     loss_scale_factor: float | None = setting(None, POSITIVE, needs=ACTOR_NORM)
     # clip (verl's vanilla) | penalty (PPO-penalty: a KL-to-old penalty) | verl's gspo, sapo, cispo,
-    # geo_mean, gpg
+    # geo_mean, gpg, clip_cov, kl_cov
     policy_loss: str = setting("clip", POLICY_LOSSES.names)
     penalty_kl_coef: float = setting(0.1, NONNEG, needs=LOSS_TAKES)
     penalty_kl_type: str = setting("kl", kl_penalty_types, needs=LOSS_TAKES)
     tau_pos: float = setting(1.0, POSITIVE, needs=LOSS_TAKES)  # SAPO's gate temperatures (A > 0, A <= 0)
     tau_neg: float = setting(1.05, POSITIVE, needs=LOSS_TAKES)
+    # Clip-Cov and KL-Cov (verl's actor.policy_loss.*): the share of tokens cut or penalised, the
+    # covariance window of the cut ones, KL-Cov's coefficient
+    clip_cov_ratio: float = setting(0.0002, "(0, 1]", needs=LOSS_TAKES)
+    clip_cov_lb: float = setting(1.0, "(-inf, inf)", needs=LOSS_TAKES)
+    clip_cov_ub: float = setting(5.0, "(-inf, inf)", needs=LOSS_TAKES)
+    kl_cov_ratio: float = setting(0.0002, "(0, 1]", needs=LOSS_TAKES)
+    ppo_kl_coef: float = setting(0.1, NONNEG, needs=LOSS_TAKES)
     use_kl_loss: bool = setting(False)
     kl_loss_coef: float = setting(0.001, NONNEG, needs=KL_LOSS)
     kl_loss_type: str = setting("low_var_kl", kl_penalty_types, needs=KL_LOSS)
@@ -350,13 +361,18 @@ class TrainerConfig:
     # steps between checkpoints (and one at the end); -1: only at the end
     save_freq: int = setting(100, "-1 or [1, inf)", resumable=True)
     test_freq: int = setting(100, "-1 or [1, inf)", resumable=True)  # steps between evaluations (val/*); -1: never
+    val_before_train: bool = setting(True, needs=EVALUATING, resumable=True)  # and one at step 0, the SFT level
     # continue the run in output_dir from its last checkpoint
     resume: bool = setting(False, resumable=True, unread_because="it saves no checkpoints")
     # Steps that update only the critic, as verl's documentation defines it; verl's trainer
     # (actor updated once critic_warmup <= global_steps, counted from 1) runs one fewer.
     # Without a critic there is nothing to warm up: the actor is updated from the first step.
     critic_warmup: int = setting(5, NONNEG, needs=WARMUP)
-    tensorboard: bool = setting(False, resumable=True)
+    # verl's: the run also ends after this many passes over the training prompts (whole batches,
+    # as verl's loader drops the last partial one); null: trainer.total_training_steps alone
+    total_epochs: int | None = setting(None, COUNT, resumable=True)
+    # console: the progress and the summary (always); tensorboard: event files in the run folder
+    logger: tuple[str, ...] = setting(("console",), LOGGERS, resumable=True)
     progress_bar: bool = setting(True, commands=COMMANDS, resumable=True)
 
 
@@ -409,7 +425,7 @@ def config_to_dict(config: Config) -> dict:
 def config_from_dict(values: dict) -> Config:
     """Rebuild a Config from :func:`config_to_dict` output (e.g. a saved config.json)."""
     flat = flatten(values)
-    text = lambda v: "null" if v is None else ",".join(map(str, v)) if isinstance(v, list) else v  # noqa: E731
+    text = lambda v: "null" if v is None else ",".join(map(str, v)) if isinstance(v, list | tuple) else v  # noqa: E731
     return apply_overrides(Config(), [f"{k}={text(v)}" for k, v in flat.items()])
 
 

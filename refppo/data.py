@@ -13,6 +13,7 @@ from refppo.memory import SYNTHETIC_RECORD_BYTES
 from refppo.prompts import encode_prompts, prompt_problem
 from refppo.sizes import check_fits
 from refppo.tasks import arithmetic, preference
+from refppo.tasks.rules import rule_problem, rule_reward
 
 
 class EpochSampler:
@@ -57,7 +58,9 @@ class EpochSampler:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
 
-def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None) -> list[dict]:
+def load_records(
+    path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None, drop_overlong: bool = False
+) -> list[dict]:
     """Prompt records from a JSONL or Parquet file; each needs a ``prompt_key`` that holds a text,
     or a chat (a list of ``{"role", "content"}`` messages, as in verl's datasets) that the
     trainer renders with the tokenizer's chat template (:func:`refppo.prompts.encode_prompts`).
@@ -67,7 +70,8 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
     record without the prompt or with one that is neither a text nor a chat, and, given
     ``tokenizer``, a chat it has no template for or that its template refuses (a role it does not
     know) and, given ``max_prompt_length`` too, a prompt with more tokens than that
-    (``data.truncation=error``).
+    (``data.truncation=error``), which ``drop_overlong`` drops instead
+    (``data.filter_overlong_prompts``).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(f"dataset path {path!r} is a folder; give a .jsonl or .parquet file")
@@ -108,12 +112,18 @@ def load_records(path: str, prompt_key: str, tokenizer=None, max_prompt_length: 
             raise ValueError(f"{where}: the record's {prompt_key!r} {problem} (data.prompt_key)")
     if tokenizer is not None:  # renders every chat, so a template's refusal is named here
         ids = encode_prompts(tokenizer, [rec[prompt_key] for _, rec in located], [where for where, _ in located])
-        for (where, _), length in zip(located, map(len, ids)):
-            if max_prompt_length is not None and length > max_prompt_length:
+        kept = []
+        for (where, rec), length in zip(located, map(len, ids)):
+            if max_prompt_length is None or length <= max_prompt_length:
+                kept.append((where, rec))
+            elif not drop_overlong:
                 raise ValueError(
                     f"{where}: the prompt has {length} tokens, more than data.max_prompt_length={max_prompt_length} "
-                    "(raise it, or set data.truncation=left or right)"
+                    "(raise it, or set data.truncation=left or right, or data.filter_overlong_prompts=true)"
                 )
+        if not kept:
+            raise ValueError(f"{path}: every prompt has more than data.max_prompt_length={max_prompt_length} tokens")
+        located = kept
     return [rec for _, rec in located]
 
 
@@ -122,7 +132,9 @@ def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], o
     ``tokenizer``, file prompts longer than ``data.max_prompt_length`` are refused at load time
     (unless ``data.truncation`` cuts them). The evaluation records are held out of training for
     arithmetic only: the preference task's 56 prompts all occur in training, and a file without
-    ``data.val_files`` gives its first ``data.val_size`` training records."""
+    ``data.val_files`` gives its first ``data.val_size`` training records. A file's reward is
+    verl's rule for its records' ``data_source`` (:mod:`refppo.tasks.rules`), None when a record
+    has none."""
     d = config.data
     if d.task == "arithmetic":
         train, held = arithmetic.make_problems(n_heldout=d.val_size)
@@ -134,10 +146,15 @@ def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], o
             preference.make_prompts(d.val_size, seed=2),
             preference.gold_reward,
         )
-    limit = d.max_prompt_length if d.truncation == "error" else None
-    train = load_records(d.train_files, d.prompt_key, tokenizer, limit)
-    val = load_records(d.val_files, d.prompt_key, tokenizer, limit) if d.val_files else train[: d.val_size]
-    return train, val, None
+    limit = d.max_prompt_length if d.truncation == "error" or d.filter_overlong_prompts else None
+
+    def load(paths: tuple[str, ...]) -> list[dict]:
+        return [r for p in paths for r in load_records(p, d.prompt_key, tokenizer, limit, d.filter_overlong_prompts)]
+
+    train = load(d.train_files)
+    val = load(d.val_files) if d.val_files else train[: d.val_size]
+    ruled = all(rule_problem(record) is None for record in train + val)  # verl's rule by data_source
+    return train, val, rule_reward if ruled else None
 
 
 def sft_examples(config: Config) -> list[tuple[str, str]]:

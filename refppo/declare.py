@@ -9,8 +9,11 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from refppo.verl_names import translate
 
 
 @dataclass(frozen=True)
@@ -130,14 +133,21 @@ def _parse(text: str, hint, key: str):
                 raise ValueError
             return text.lower() == "true"
         if typing.get_origin(hint) is tuple:
-            return tuple(_parse(part, a, key) for part, a in zip(text.strip("()[]").split(","), args, strict=True))
+            parts = [part.strip().strip("'\"") for part in text.strip("()[]").split(",")]
+            if args[1:] == (Ellipsis,):  # tuple[str, ...]: any length ("a", "[a, b]", "a,")
+                parts = [part for part in parts if part]
+                args = (args[0],) * len(parts)
+            types_ = args
+            return tuple(_parse(part, a, key) for part, a in zip(parts, types_, strict=True))
         return hint(text)
     except ValueError:
         raise ValueError(f"{key}={text!r}: expected {getattr(hint, '__name__', hint)}") from None
 
 
 def apply_overrides(config, overrides: list[str]):
-    """Set ``section.key=value`` entries on ``config`` (in place), typed by the dataclass fields.
+    """Set ``section.key=value`` entries on ``config`` (in place), typed by the dataclass fields,
+    in refppo's spelling or verl 0.9's (:func:`refppo.verl_names.translate`); a setting of verl's
+    engine is dropped with a warning that says so.
 
     Args:
         config: the config to change.
@@ -147,6 +157,9 @@ def apply_overrides(config, overrides: list[str]):
         ``config``.
     """
     valid = leaf_keys(config)
+    overrides, notes = translate(overrides)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()

@@ -11,7 +11,7 @@ from refppo.trainer import PPOTrainer
 
 def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[str, float]]:
     """Train to ``trainer.total_training_steps``, validating every ``test_freq`` steps (and at
-    step 0, the SFT level), logging one metrics line per step and checkpointing every
+    step 0, the SFT level, with ``val_before_train``), logging one metrics line per step and checkpointing every
     ``save_freq`` steps and at the end.
 
     Args:
@@ -31,7 +31,7 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
         if run is not None:
             run.log(step, metrics)
 
-    if trainer.step == 0 and t.test_freq > 0:
+    if trainer.step == 0 and t.test_freq > 0 and t.val_before_train:
         record(0, trainer.held_out_metrics())
     shown = progress_bar and trainer.world.main
     bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not shown, desc="ppo")

@@ -266,7 +266,9 @@ def tensorboard_writer():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ImportError("trainer.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+        raise ImportError(
+            "trainer.logger=[console,tensorboard] needs the tensorboard package: pip install tensorboard"
+        ) from None
     return SummaryWriter
 
 

@@ -100,7 +100,8 @@ def _check_values(config: Config) -> None:
             continue
         names = choices_of(d)
         if names is not None:
-            _require(value in names, f"{key}={value!r} is not one of {', '.join(names)}")
+            for item in value if isinstance(value, tuple) else (value,):
+                _require(item in names, f"{key}={item!r} is not one of {', '.join(names)}")
         elif isinstance(d.valid, str):
             for item in value if isinstance(value, tuple) else (value,):
                 null = " (or null)" if is_optional(config, key) else ""
@@ -227,6 +228,15 @@ def _check_combinations(config: Config) -> None:
         f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt: set rollout.n >= 2",
     )
     _require(not (rm.enable and rm.model.path is None), "reward_model.enable=true needs reward_model.model.path")
+    _require(
+        a.policy_loss != "clip_cov" or a.clip_cov_lb < a.clip_cov_ub,
+        f"actor.clip_cov_lb={a.clip_cov_lb} must be below actor.clip_cov_ub={a.clip_cov_ub}",
+    )
+    _require(
+        "console" in t.logger,
+        f"trainer.logger={','.join(t.logger)}: refppo always reports on the console (trainer.progress_bar=false "
+        "hides the bar); keep console in the list",
+    )
     _require(
         not (d.task == "file" and d.train_files is None), "data.task=file needs data.train_files (JSONL or Parquet)"
     )

@@ -1,5 +1,5 @@
 """Policy losses from verl 0.9's registry beyond PPO's clip and penalty (ch 7): GSPO, SAPO, CISPO,
-GMPO (``geo_mean``) and GPG. Each is registered under verl's name (``actor.policy_loss``) and equals
+GMPO (``geo_mean``), GPG, Clip-Cov and KL-Cov. Each is registered under verl's name (``actor.policy_loss``) and equals
 verl's formula; ``refppo.config`` imports this module, so a config can name them.
 
 Per-token tensors are response-only, shape (batch, T), as in :mod:`refppo.losses`.
@@ -255,3 +255,133 @@ def compute_policy_loss_gpg(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()
     return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor), {}
+
+
+def _covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(A_t - mean A) * (log pi_t - mean sg(log pi)), means over the valid tokens; (batch, T),
+    differentiable through the first log pi as verl's Clip-Cov."""
+    a = advantages - masked_mean(advantages, response_mask)
+    return a * (log_prob - masked_mean(log_prob.detach(), response_mask))
+
+
+@register_policy_loss("clip_cov")
+@checks_once
+def compute_policy_loss_clip_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al. 2025): PPO's clipped loss, with a few more tokens cut, those whose
+    advantage and log-prob covary most (verl 0.9's ``clip_cov``).
+
+    cov_t = (A_t - mean A) * (log pi_theta_t - mean log pi_theta), means over the valid tokens.
+    Among the valid tokens PPO's clip has not cut that have clip_cov_lb < cov_t < clip_cov_ub,
+    max(1, int(clip_cov_ratio * valid tokens)) are drawn at random (torch's global generator, as
+    verl) and lose their loss and its gradient: the tokens that drive the entropy down fastest stop
+    pulling. The statistics are those of the (micro-)batch given, as in verl.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
+        clip_ratio, clip_ratio_low, clip_ratio_high: PPO's clip.
+        clip_cov_ratio: the share of valid tokens to cut, in (0, 1].
+        clip_cov_lb, clip_cov_ub: the covariance window the cut tokens come from (lb < ub).
+        loss_agg_mode, loss_scale_factor: see agg_loss.
+        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
+
+    Returns:
+        pg_loss: scalar.
+        metrics: ``actor/pg_clipfrac`` (the share of valid tokens cut by the covariance, as verl
+        counts it) and ``actor/ppo_kl``.
+    """
+    low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    check_number("clip_cov_ratio", clip_cov_ratio, "(0, 1]")
+    check_number("clip_cov_lb", clip_cov_lb, "(-inf, inf)")
+    check_number("clip_cov_ub", clip_cov_ub, f"({clip_cov_lb}, inf)")
+    check_loss_inputs(
+        response_mask,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        rollout_is_weights=rollout_is_weights,
+    )
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    valid = response_mask > 0
+    cov = _covariance(advantages, log_prob, response_mask).detach()
+    candidates = ((cov > clip_cov_lb) & (cov < clip_cov_ub) & valid & ~(pg_losses2 > pg_losses1)).nonzero()
+    count = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
+    cut = candidates[torch.randperm(len(candidates))[:count].to(candidates.device)]
+    keep = torch.ones_like(advantages)
+    keep[cut[:, 0], cut[:, 1]] = 0
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * keep
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
+    metrics = _metrics(keep == 0, log_ratio, response_mask)
+    del metrics["actor/pg_clipfrac_lower"]  # verl logs none for it
+    return pg_loss, metrics
+
+
+@register_policy_loss("kl_cov")
+@checks_once
+def compute_policy_loss_kl_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 0.1,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (Cui et al. 2025): the unclipped ratio loss -A * ratio, with ppo_kl_coef * |log ratio|
+    added on the tokens whose advantage and log-prob covary most (verl 0.9's ``kl_cov``).
+
+    The max(1, int(kl_cov_ratio * valid tokens)) valid tokens of largest cov_t (as in
+    :func:`compute_policy_loss_clip_cov`, with no gradient) carry the penalty; the statistics are
+    those of the (micro-)batch given, as in verl.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
+        kl_cov_ratio: the share of valid tokens penalised, in (0, 1].
+        ppo_kl_coef: the penalty's coefficient, >= 0 (verl's ``actor.policy_loss.ppo_kl_coef``).
+        loss_agg_mode, loss_scale_factor: see agg_loss.
+        rollout_is_weights: optional (batch, T) weights >= 0 multiplied into the per-token loss.
+
+    Returns:
+        pg_loss: scalar.
+        metrics: ``actor/ppo_kl``, the mean |log ratio| over the valid tokens (as verl logs it).
+    """
+    check_number("kl_cov_ratio", kl_cov_ratio, "(0, 1]")
+    check_number("ppo_kl_coef", ppo_kl_coef, "[0, inf)")
+    check_loss_inputs(
+        response_mask,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        rollout_is_weights=rollout_is_weights,
+    )
+    log_ratio = log_prob - old_log_prob
+    valid = response_mask > 0
+    cov = _covariance(advantages, log_prob, response_mask).detach().masked_fill(~valid, -torch.inf)
+    count = min(max(1, int(valid.sum().item() * kl_cov_ratio)), int(valid.sum().item()))
+    penalised = torch.zeros_like(valid).flatten()
+    penalised[torch.topk(cov.flatten(), count).indices] = True
+    pg_losses = -advantages * torch.exp(log_ratio) + ppo_kl_coef * log_ratio.abs() * penalised.view_as(valid)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
+    return pg_loss, {"actor/ppo_kl": masked_mean(log_ratio.abs(), response_mask).detach()}

@@ -624,11 +624,19 @@ def test_a_missing_optional_package_is_named_before_the_run_folder_exists(sft_ru
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     out = tmp_path / "run"
-    argv = ["refppo", "ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "trainer.tensorboard=true"]
+    argv = [
+        "refppo",
+        "ppo",
+        f"model.path={sft_run}/model",
+        f"trainer.output_dir={out}",
+        "trainer.logger=[console,tensorboard]",
+    ]
     monkeypatch.setattr(sys, "argv", [*argv, *QUICK_PPO])
     assert entry() == 2
     err = capsys.readouterr().err
-    assert err == "refppo: error: trainer.tensorboard=true needs the tensorboard package: pip install tensorboard\n"
+    assert err == "refppo: error: trainer.logger=[console,tensorboard] needs the tensorboard package: " + (
+        "pip install tensorboard\n"
+    )
     assert not out.exists()
 
 

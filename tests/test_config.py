@@ -119,7 +119,7 @@ def test_bad_values():
         (["sft.lr=nan"], "sft.lr=nan is outside"),
         (["rm.lr=0"], "rm.lr=0.0 is outside"),
         # Issue 13 item 5: options another option makes meaningless.
-        (["data.train_files=x.jsonl"], "data.train_files is read only with data.task=file"),
+        (["data.task=arithmetic", "data.train_files=x.jsonl"], "data.train_files is read only with data.task=file"),
         (["data.val_files=x.jsonl"], "data.val_files is read only with data.task=file"),
         (
             ["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.reward_fn=m:f"],
@@ -299,7 +299,12 @@ def test_every_numeric_setting_has_a_valid_range():
     for key in leaf_keys(config):
         value = get_value(config, key)
         hint = str(typing.get_type_hints(type(owner_of(config, key)[0]))[key.rsplit(".", 1)[1]])
-        if isinstance(value, (int, float, tuple)) and not isinstance(value, bool) or "int" in hint or "float" in hint:
+        numbers = value if isinstance(value, tuple) else (value,)
+        if (
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
+            or "int" in hint
+            or "float" in hint
+        ):
             numeric.append(key)
     assert len(numeric) > 50
     ranged = [key for key, d in declarations(config).items() if isinstance(d.valid, str)]

@@ -1,5 +1,6 @@
 """The estimators and losses added from verl 0.9's registry: REINFORCE++, REINFORCE++-baseline and
-GPG (estimators), GSPO, CISPO and GPG (losses). Each against a plain float64 reference written
+GPG (estimators), GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov (losses). Each against a plain
+float64 reference written
 from verl's formula, on random inputs with padding and holes, and with a property its paper
 states."""
 
@@ -19,9 +20,11 @@ from refppo.advantages import (
 from refppo.losses import POLICY_LOSSES, compute_policy_loss
 from refppo.verl_losses import (
     compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
     compute_policy_loss_geo_mean,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
     compute_policy_loss_sapo,
 )
 
@@ -250,9 +253,96 @@ def test_gpg_loss_is_plain_policy_gradient(mode):
 
 
 def test_the_losses_are_registered_with_verls_names():
-    for name in ("gspo", "sapo", "cispo", "geo_mean", "gpg"):
+    for name in ("gspo", "sapo", "cispo", "geo_mean", "gpg", "clip_cov", "kl_cov"):
         assert name in POLICY_LOSSES.names()
     assert not POLICY_LOSSES.takes("gpg", "old_log_prob"), "no ratio: the old policy is not read"
+
+
+def _covariances(old, new, adv, mask):
+    """Each valid token's (row, column) and cov = (A - mean A)(log pi - mean log pi), in float64 Python."""
+    cells = [(i, j) for i, m in enumerate(mask.tolist()) for j, k in enumerate(m) if k]
+    a = [adv[i, j].item() for i, j in cells]
+    lp = [new[i, j].item() for i, j in cells]
+    ma, ml = sum(a) / len(a), sum(lp) / len(lp)
+    return {c: (x - ma) * (y - ml) for c, x, y in zip(cells, a, lp)}
+
+
+def ref_kl_cov(old, new, adv, mask, kl_cov_ratio, coef):
+    """verl's KL-Cov, token-mean: -A * ratio, plus coef * |log ratio| on the top-covariance tokens."""
+    cov = _covariances(old, new, adv, mask)
+    count = max(1, int(len(cov) * kl_cov_ratio))
+    top = set(sorted(cov, key=cov.get, reverse=True)[:count])
+    total = 0.0
+    for i, j in cov:
+        log_ratio = new[i, j].item() - old[i, j].item()
+        total += -adv[i, j].item() * math.exp(log_ratio) + (coef * abs(log_ratio) if (i, j) in top else 0.0)
+    return total / len(cov), top
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kl_cov_is_verls_and_penalises_the_top_covariance_tokens(seed):
+    old, new, adv, mask = _loss_inputs(seed)
+    loss, metrics = compute_policy_loss_kl_cov(old, new, adv, mask, kl_cov_ratio=0.2, ppo_kl_coef=0.5)
+    want, top = ref_kl_cov(old, new.detach(), adv, mask, 0.2, 0.5)
+    assert loss.item() == pytest.approx(want, rel=1e-12) and len(top) == int(mask.sum().item() * 0.2)
+    loss.backward()
+    log_ratio = new.detach() - old
+    plain = -adv * log_ratio.exp()
+    for i, j in top:  # the penalty's gradient on the chosen tokens only
+        assert new.grad[i, j].item() == pytest.approx(
+            (plain[i, j] + 0.5 * log_ratio[i, j].sign()).item() / mask.sum().item()
+        )
+    valid = mask.bool()
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(log_ratio[valid].abs().mean().item())
+    no_penalty, _ = compute_policy_loss_kl_cov(old, new.detach(), adv, mask, kl_cov_ratio=0.2, ppo_kl_coef=0.0)
+    assert no_penalty.item() == pytest.approx((plain[valid]).mean().item(), rel=1e-12), "coef 0: plain ratio loss"
+
+
+def ref_clip_cov(old, new, adv, mask, clip, lb, ub):
+    """verl's Clip-Cov, token-mean, when every candidate is cut (clip_cov_ratio=1)."""
+    cov = _covariances(old, new, adv, mask)
+    total, cut = 0.0, set()
+    for i, j in cov:
+        ratio, a = math.exp(new[i, j].item() - old[i, j].item()), adv[i, j].item()
+        l1, l2 = -a * ratio, -a * min(max(ratio, 1 - clip), 1 + clip)
+        if lb < cov[i, j] < ub and not l2 > l1:
+            cut.add((i, j))
+        else:
+            total += max(l1, l2)
+    return total / len(cov), cut
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_clip_cov_is_verls_and_cut_tokens_get_no_gradient(seed):
+    old, new, adv, mask = _loss_inputs(seed, scale=0.5)
+    loss, metrics = compute_policy_loss_clip_cov(
+        old, new, adv, mask, clip_ratio=0.2, clip_cov_ratio=1.0, clip_cov_lb=0.05
+    )
+    want, cut = ref_clip_cov(old, new.detach(), adv, mask, 0.2, 0.05, 5.0)
+    assert cut and loss.item() == pytest.approx(want, rel=1e-12)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(len(cut) / mask.sum().item())
+    loss.backward()
+    assert all(new.grad[i, j] == 0 for i, j in cut)
+
+
+def test_clip_cov_cuts_a_random_share_of_the_candidates_and_without_any_is_ppos_clip():
+    old, new, adv, mask = _loss_inputs(1, scale=0.5)
+    _, candidates = ref_clip_cov(old, new.detach(), adv, mask, 0.2, 0.05, 5.0)
+    count = int(0.1 * mask.sum().item())
+    assert 1 <= count < len(candidates)
+    torch.manual_seed(0)
+    loss, metrics = compute_policy_loss_clip_cov(old, new, adv, mask, clip_cov_ratio=0.1, clip_cov_lb=0.05)
+    loss.backward()
+    cut = {(i, j) for i, j in candidates if new.grad[i, j] == 0}
+    assert len(cut) == count and metrics["actor/pg_clipfrac"].item() == pytest.approx(count / mask.sum().item())
+    torch.manual_seed(0)
+    again, _ = compute_policy_loss_clip_cov(old, new, adv, mask, clip_cov_ratio=0.1, clip_cov_lb=0.05)
+    assert again.item() == loss.item(), "the draw is torch's global generator's, as verl's"
+    none, _ = compute_policy_loss_clip_cov(old, new, adv, mask, clip_cov_lb=100.0, clip_cov_ub=101.0)
+    ppo, _ = compute_policy_loss(old, new, adv, mask, clip_ratio=0.2, clip_ratio_c=None)
+    assert none.item() == pytest.approx(ppo.item(), rel=1e-12), "no token in the window: PPO's clip"
+    with pytest.raises(ValueError, match="clip_cov_ub must be in"):
+        compute_policy_loss_clip_cov(old, new, adv, mask, clip_cov_lb=2.0, clip_cov_ub=1.0)
 
 
 # ---- in a run --------------------------------------------------------------------------
@@ -292,6 +382,13 @@ def sft_model(tmp_path_factory):
             "rollout.n=2",
             "actor.policy_loss=geo_mean",
             "actor.loss_agg_mode=seq-mean-token-mean",
+        ],
+        ["trainer.critic_warmup=0", "actor.policy_loss=clip_cov", "actor.clip_cov_ratio=0.1", "actor.clip_cov_lb=0.0"],
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "actor.policy_loss.loss_mode=kl_cov",  # verl's key without its prefix
+            "actor.policy_loss.kl_cov_ratio=0.1",
         ],
     ],
 )

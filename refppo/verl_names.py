@@ -1,0 +1,194 @@
+"""verl 0.9's spellings of refppo's settings (ch 5), so that a verl command line runs as it is.
+
+- verl's full paths (``actor_rollout_ref.actor.optim.lr``) and its other names
+  (``actor.policy_loss.loss_mode``, ``trainer.default_local_dir``) are the same settings as
+  refppo's short ones: one setting, two spellings (:func:`refppo_key`).
+- A verl setting that only steers verl's engine (vLLM, FSDP, Ray, the cluster) is taken with a
+  one-line note that it has no effect here (:data:`ENGINE`).
+- A verl setting that would change the numbers and that refppo does not implement is refused,
+  naming what is missing, unless it is given the value that means "off" (:data:`MISSING`).
+- A refppo setting that has been renamed is refused with its new name (:data:`RENAMED`).
+- ``data.train_files`` without ``data.task`` reads the prompts from the files (``data.task=file``),
+  as a verl command line that names only its files means.
+
+Where verl's documentation and code disagree, these follow its code at v0.9.0.
+"""
+
+from __future__ import annotations
+
+# verl's sections under actor_rollout_ref, which refppo spells without it
+SECTIONS = ("actor.", "rollout.", "ref.", "model.")
+FULL = "actor_rollout_ref."
+# verl's name (full path) -> refppo's, where more than the actor_rollout_ref. prefix differs
+NAMES = {
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
+    **{
+        f"actor_rollout_ref.actor.policy_loss.{k}": f"actor.{k}"
+        for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+    },
+    "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
+    "critic.optim.clip_grad": "critic.grad_clip",
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "trainer.default_local_dir": "trainer.output_dir",
+}
+VALUES = {("actor.policy_loss", "vanilla"): "clip"}  # verl's name of a value -> refppo's
+# a verl setting whose values are refppo settings
+KEY_VALUES = {"trainer.resume_mode": {"auto": "trainer.resume=true", "disable": "trainer.resume=false"}}
+RENAMED = {
+    "actor.policy_mode": "algorithm.rollout_correction.bypass_mode=true (bypass) or "
+    "algorithm.rollout_correction.rollout_is=token (rollout_correction)",
+    "actor.rollout_is_threshold": "algorithm.rollout_correction.rollout_is_threshold",
+    "trainer.tensorboard": "trainer.logger=[console,tensorboard]",
+}
+# verl settings of its engine: how it places, shards, serves and logs, never what it computes.
+# A key ending in "." stands for every key under it.
+ENGINE = (
+    *(
+        f"actor_rollout_ref.rollout.{k}"
+        for k in (
+            "name", "mode", "nnodes", "n_gpus_per_node", "tensor_model_parallel_size", "data_parallel_size",
+            "expert_parallel_size", "pipeline_model_parallel_size", "gpu_memory_utilization", "enforce_eager",
+            "cudagraph_capture_sizes", "free_cache_engine", "max_num_batched_tokens", "max_num_seqs",
+            "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "load_format", "layered_summon",
+            "disable_log_stats", "multi_stage_wake_up", "skip_tokenizer_init", "calculate_log_probs",
+            "checkpoint_engine.", "agent.", "trace.", "profiler.", "engine_kwargs.", "prometheus.",
+        )
+    ),
+    *(
+        f"{role}.{k}"
+        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+        for k in ("strategy", "profiler.", "ulysses_sequence_parallel_size", "rollout_n")
+    ),
+    "actor_rollout_ref.actor.fsdp_config.", "actor_rollout_ref.ref.fsdp_config.", "critic.fsdp.",
+    "actor_rollout_ref.actor.checkpoint.", "critic.checkpoint.", "critic.forward_micro_batch_size_per_gpu",
+    "critic.forward_max_token_len_per_gpu",
+    *(
+        f"{role}.{k}"
+        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")
+        for k in ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size", "entropy_checkpointing")
+    ),
+    *(
+        f"{role}.model.{k}"
+        for role in ("actor_rollout_ref", "critic")
+        for k in ("use_remove_padding", "use_shm", "enable_activation_offload")
+    ),
+    "actor_rollout_ref.actor.use_remove_padding", "actor_rollout_ref.model.use_liger", "critic.model.use_liger",
+    "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.nccl_timeout", "actor_rollout_ref.ref.use_torch_compile",
+    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.project_name", "trainer.experiment_name",
+    "trainer.balance_batch", "trainer.use_v1", "trainer.v1.", "trainer.default_hdfs_dir",
+    "trainer.del_local_ckpt_after_load", "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
+    "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
+    "data.dataloader_num_workers", "data.use_shm", "data.return_raw_chat", "data.return_raw_input_ids",
+    "data.return_full_prompt", "data.filter_overlong_prompts_workers", "data.val_batch_size",
+    # refppo's log-prob passes take the actor's token budget (actor.use_dynamic_bsz)
+    *(f"actor_rollout_ref.{r}.log_prob_{k}" for r in ("rollout", "ref") for k in ("use_dynamic_bsz", "max_token_len_per_gpu")),  # noqa: E501
+    "reward.num_workers", "global_profiler.", "ray_kwargs.", "transfer_queue.",
+)  # fmt: skip
+# verl settings refppo does not implement: the value that turns each off (accepted, with a
+# note) and what is missing.
+MISSING = {
+    "algorithm.filter_groups.enable": ("false", "DAPO's dynamic sampling"),
+    "algorithm.use_pf_ppo": ("false", "preference-feedback PPO's reweighting"),
+    "algorithm.rollout_correction.rollout_rs": ("null", "rejection sampling of off-policy responses"),
+    "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode's REINFORCE loss"),
+    "actor_rollout_ref.rollout.do_sample": ("true", "greedy rollouts"),
+    "actor_rollout_ref.rollout.over_sample_rate": ("0", "over-sampling with early stopping"),
+    "actor_rollout_ref.rollout.val_kwargs.n": ("1", "multi-sample validation"),
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": ("false", "sampled validation (refppo's is greedy)"),
+    "actor_rollout_ref.actor.shuffle": ("false", "shuffling the mini-batches of an epoch"),
+    "critic.shuffle": ("false", "shuffling the mini-batches of an epoch"),
+    "actor_rollout_ref.actor.use_prefix_grouper": ("false", "prefix-shared forward passes"),
+    "actor_rollout_ref.actor.calculate_sum_pi_squared": ("false", "the sum of squared probabilities"),
+    "data.shuffle": ("true", "an unshuffled data order"),
+    "data.train_max_samples": ("-1", "a cap on the training records"),
+    "data.val_max_samples": ("-1", "a cap on the evaluation records"),
+    "data.reward_fn_key": ("data_source", "choosing the rule by another column"),
+    "data.gen_batch_size": ("null", "a generation batch other than data.train_batch_size"),
+    "trainer.val_only": ("false", "validation-only runs"),
+    "trainer.log_val_generations": ("0", "writing validation samples"),
+    "reward.reward_manager.name": ("naive", "other reward managers"),
+}
+
+
+def full_path(key: str) -> str:
+    """A key as verl spells it in full (``actor.optim.lr`` -> ``actor_rollout_ref.actor.optim.lr``)."""
+    return FULL + key if key.startswith(SECTIONS) else key
+
+
+def refppo_key(key: str) -> str:
+    """The refppo setting a key names, in either spelling: ``actor_rollout_ref.actor.optim.lr``
+    and ``actor.optim.lr`` are both ``actor.optim.lr``; any other key is returned as it is."""
+    full = full_path(key)
+    if full in NAMES:
+        return NAMES[full]
+    return full[len(FULL) :] if full.startswith(FULL) else key
+
+
+def _is_engine(full: str) -> bool:
+    return any(full == k or (k.endswith(".") and full.startswith(k)) for k in ENGINE)
+
+
+def _plain(text: str) -> str:
+    """An override's value as verl's Hydra reads it, for comparing: no quotes, lower case."""
+    return text.strip().strip("'\"").lower().replace("none", "null")
+
+
+def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Overrides in refppo's spelling, and a note for each verl setting that has no effect here.
+
+    Args:
+        overrides: ``key=value`` texts in either spelling.
+
+    Returns:
+        (the overrides with refppo's keys and values, minus those of verl's engine, plus
+        ``data.task=file`` for files named without a task; the notes).
+
+    Raises:
+        ValueError: a renamed refppo setting (naming the new one), or a verl setting refppo does
+            not implement given a value other than the one that turns it off.
+    """
+    out, notes = [], []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip().lstrip("+")  # Hydra's "+key=value" adds a key verl's config lacks
+        full = full_path(key)
+        if key in RENAMED:
+            raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
+        if sep and _is_engine(full):
+            notes.append(f"{key}={text} is a setting of verl's engine: it has no effect in refppo")
+            continue
+        if sep and full in MISSING:
+            off, what = MISSING[full]
+            if _plain(text) != off:
+                raise ValueError(f"{key}={text}: refppo does not implement {what} (only {key}={off})")
+            notes.append(f"{key}={text} is refppo's behaviour already (it does not implement {what})")
+            continue
+        if sep and full in KEY_VALUES:
+            choices = KEY_VALUES[full]
+            if _plain(text) not in choices:
+                raise ValueError(f"{key}={text}: refppo takes {' or '.join(choices)} (the run in trainer.output_dir)")
+            out.append(choices[_plain(text)])
+            continue
+        name = refppo_key(key)
+        value = VALUES.get((name, _plain(text)), text) if sep else text
+        out.append(f"{name}{sep}{value}")
+    keys = {item.partition("=")[0].strip() for item in out}
+    if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
+        out.append("data.task=file")
+    return out, notes
+
+
+def is_verl_line(overrides: list[str]) -> bool:
+    """Whether a command line spells some setting as only verl does (a full path such as
+    ``actor_rollout_ref.actor.optim.lr``, ``trainer.default_local_dir``, a setting of verl's engine
+    or one refppo lacks): a verl command line."""
+    keys = [item.partition("=")[0].strip().lstrip("+") for item in overrides]
+    verl_only = {*NAMES, *KEY_VALUES, *MISSING}
+    return any(key.startswith(FULL) or key in verl_only or _is_engine(full_path(key)) for key in keys)
+
+
+def verl_key(key: str) -> str:
+    """verl 0.9's full path of a refppo setting (``model.path`` -> ``actor_rollout_ref.model.path``)."""
+    reverse = {v: k for k, v in NAMES.items()}
+    return reverse.get(key, full_path(key))

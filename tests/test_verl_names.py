@@ -1,0 +1,438 @@
+"""verl 0.9's spellings (refppo.verl_names) and the map beside verl's settings (refppo.verl_map),
+checked against verl 0.9.0's own generated trainer config (tests/data), and verl's quickstart
+command lines run as they are on a tiny model."""
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+from _inputs import CHAT_TEMPLATES
+
+from refppo.cli import main
+from refppo.config import Config, apply_overrides, declarations, get_value
+from refppo.settings import format_value, validate
+from refppo.verl_map import OTHER_DEFAULTS, REFPPO_ONLY, key_map, verl_command
+from refppo.verl_names import ENGINE, MISSING, NAMES, RENAMED, full_path, refppo_key, translate, verl_key
+
+VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys.json").read_text())["defaults"]
+KEYS = list(declarations(Config()))
+
+
+def test_every_refppo_setting_is_a_verl_key_or_says_why_it_is_not():
+    """A shared setting's verl key exists in verl 0.9's config; a refppo-only one does not, and
+    has its reason; both spellings name the same setting."""
+    for key in KEYS:
+        assert refppo_key(verl_key(key)) == key and refppo_key(key) == key
+        if key in REFPPO_ONLY:
+            assert verl_key(key) not in VERL and REFPPO_ONLY[key]
+        else:
+            assert verl_key(key) in VERL, key
+    assert set(REFPPO_ONLY) <= set(KEYS) and set(OTHER_DEFAULTS) <= set(KEYS)
+    assert all(name in KEYS for name in NAMES.values()) and all(full in VERL for full in NAMES)
+
+
+def _plain(value):
+    """A default as a comparable value: numbers as floats, lists as tuples."""
+    if isinstance(value, list | tuple):
+        return tuple(map(_plain, value))
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+def _same(mine, theirs) -> bool:
+    if isinstance(theirs, str) and theirs.startswith("${"):  # verl interpolates another setting
+        return mine is None  # as refppo's null does: the setting it stands for
+    return _plain(mine) == _plain(theirs)
+
+
+def test_defaults_equal_verls_or_the_key_map_says_why():
+    """Every shared setting's default is verl 0.9's, or the map records verl's default (checked
+    here) and the reason refppo's differs."""
+    config = Config()
+    for key in KEYS:
+        if key in REFPPO_ONLY:
+            continue
+        theirs = VERL[verl_key(key)]
+        if key in OTHER_DEFAULTS:
+            recorded, why = OTHER_DEFAULTS[key]
+            assert _plain(recorded) == _plain(theirs), key
+            assert why and not _same(get_value(config, key), theirs), f"{key}: the same default, listed as different"
+        else:
+            assert _same(get_value(config, key), theirs), f"{key}: {get_value(config, key)!r} against verl's {theirs!r}"
+
+
+def test_engine_and_missing_settings_are_verl_keys_refppo_does_not_have():
+    for key in [*ENGINE, *MISSING]:
+        if key.endswith("."):
+            assert any(k.startswith(key) for k in VERL), key
+        else:
+            assert key in VERL, key
+        assert refppo_key(key) not in KEYS, key
+    for key, (off, _) in MISSING.items():  # the value that turns it off is verl's default
+        theirs = VERL[key]
+        if isinstance(theirs, str) and theirs.startswith("${"):  # an interpolation: its fallback
+            theirs = theirs.rsplit(",", 1)[1].rstrip("}")
+        assert format_value(theirs).lower() == off, key
+    assert not set(RENAMED) & set(KEYS)
+
+
+def test_full_paths_and_short_keys_set_the_same_setting():
+    full = apply_overrides(
+        Config(),
+        [
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "actor_rollout_ref.rollout.n=4",
+            "critic.optim.lr=1e-5",
+            "algorithm.rollout_correction.rollout_is=token",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+            "actor_rollout_ref.actor.optim.clip_grad=0.5",
+            "reward.reward_model.enable=false",
+            "trainer.default_local_dir=runs/x",
+            "trainer.resume_mode=auto",
+            "trainer.logger=['console','tensorboard']",
+        ],
+    )
+    short = apply_overrides(
+        Config(),
+        [
+            "actor.optim.lr=1e-6",
+            "rollout.n=4",
+            "critic.optim.lr=1e-5",
+            "algorithm.rollout_correction.rollout_is=token",
+            "actor.policy_loss=clip",
+            "actor.grad_clip=0.5",
+            "reward_model.enable=false",
+            "trainer.output_dir=runs/x",
+            "trainer.resume=true",
+            "trainer.logger=console,tensorboard",
+        ],
+    )
+    assert full == short and short.actor.grad_clip == 0.5 and short.trainer.logger == ("console", "tensorboard")
+
+
+def test_engine_settings_are_noted_and_change_nothing():
+    items, notes = translate(
+        ["actor_rollout_ref.rollout.name=vllm", "rollout.gpu_memory_utilization=0.4", "trainer.nnodes=1"]
+    )
+    assert items == [] and len(notes) == 3 and all("has no effect in refppo" in n for n in notes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = apply_overrides(Config(), ["actor_rollout_ref.actor.fsdp_config.param_offload=true"])
+    assert config == Config() and "fsdp_config.param_offload=true is a setting of verl's engine" in str(
+        caught[0].message
+    )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.filter_groups.enable=true", "refppo does not implement DAPO's dynamic sampling"),
+        ("algorithm.rollout_correction.rollout_rs=seq_mean_k1", "rejection sampling"),
+        ("actor_rollout_ref.rollout.val_kwargs.n=4", "multi-sample validation"),
+        ("trainer.resume_mode=resume_path", "refppo takes auto or disable"),
+        ("actor.policy_mode=bypass", "actor.policy_mode is now algorithm.rollout_correction.bypass_mode=true"),
+        ("actor.rollout_is_threshold=2", "is now algorithm.rollout_correction.rollout_is_threshold"),
+        ("trainer.tensorboard=true", r"is now trainer.logger=\[console,tensorboard\]"),
+    ],
+)
+def test_what_refppo_lacks_or_renamed_is_refused_by_name(override, message):
+    with pytest.raises(ValueError, match=message):
+        apply_overrides(Config(), [override])
+
+
+def test_a_missing_feature_at_its_off_value_is_accepted_with_a_note():
+    items, notes = translate(["algorithm.filter_groups.enable=False", "data.shuffle=True"])
+    assert items == [] and ["DAPO's dynamic sampling" in notes[0], "unshuffled" in notes[1]] == [True, True]
+
+
+def test_one_setting_in_two_spellings_is_given_twice(capsys, monkeypatch):
+    import sys
+
+    from refppo.cli import entry
+
+    argv = ["refppo", "ppo", "actor.optim.lr=1e-5", "actor_rollout_ref.actor.optim.lr=2e-5"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert entry() == 2
+    assert "actor.optim.lr is given twice ('1e-5' and '2e-5')" in capsys.readouterr().err
+
+
+def test_the_key_map_covers_every_setting_once():
+    rows = key_map()
+    assert [r[0] for r in rows] == KEYS
+    verl_keys = [r[1] for r in rows if r[1] != "—"]
+    assert len(verl_keys) == len(set(verl_keys)) and all(k in VERL for k in verl_keys)
+    assert all(r[4] for r in rows if r[1] == "—" or r[3])  # a reason wherever refppo differs
+
+
+def test_print_verl_names_every_setting_read_in_verls_spelling():
+    """``--print-verl`` gives each setting refppo ppo reads by verl's key with the value refppo
+    runs with (a null that stands for another setting resolved), and lists the rest; its keys
+    read back into the same config."""
+    config = validate(
+        apply_overrides(
+            Config(),
+            ["model.path=/m", "actor.clip_ratio=0.1", "actor.clip_ratio_high=0.3", "critic.optim.lr=1e-4"],
+        )
+    )
+    text = verl_command(config)
+    lines = text.splitlines()
+    assert lines[0] == "python3 -m verl.trainer.main_ppo \\"
+    args = [ln.strip().rstrip(" \\") for ln in lines[1:] if not ln.startswith("#")]
+    assert (
+        "actor_rollout_ref.actor.clip_ratio_low=0.1" in args and "actor_rollout_ref.actor.clip_ratio_high=0.3" in args
+    )
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla" in args and "critic.model.path=/m" in args
+    assert "critic.ppo_mini_batch_size=16" in args and "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16" in args
+    assert all(a.partition("=")[0] in VERL for a in args), [a for a in args if a.partition("=")[0] not in VERL]
+    assert "#   data.task=arithmetic: refppo's offline tasks" in text
+    back = validate(apply_overrides(Config(), [a for a in args if not a.startswith("trainer.total_epochs")]))
+    assert verl_command(back) == text
+    with pytest.raises(ValueError, match="refppo sft has none"):
+        verl_command(config, "sft")
+
+
+# verl 0.9.0's PPO quickstart (docs/start/quickstart.rst), key for key
+VERL_PPO_QUICKSTART = """
+    data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet
+    data.train_batch_size=256
+    data.max_prompt_length=512
+    data.max_response_length=512
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.ppo_mini_batch_size=64
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+    critic.optim.lr=1e-5
+    critic.model.path=Qwen/Qwen2.5-0.5B-Instruct
+    critic.ppo_micro_batch_size_per_gpu=4
+    algorithm.kl_ctrl.kl_coef=0.001
+    trainer.logger=console
+    trainer.val_before_train=False
+    trainer.n_gpus_per_node=1
+    trainer.nnodes=1
+    trainer.save_freq=10
+    trainer.test_freq=10
+    trainer.total_epochs=15
+""".split()
+# verl 0.9.0's GRPO example (docs/algo/grpo.md runs examples/grpo_trainer/run_qwen3_8b_fsdp.sh), as
+# the shell passes it, with its GPU defaults filled in and the console logger alone (wandb needs an
+# account and a network)
+VERL_GRPO_EXAMPLE = """
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+    data.train_files=['$HOME/data/gsm8k/train.parquet','$HOME/data/math/train.parquet']
+    data.val_files=['$HOME/data/gsm8k/test.parquet','$HOME/data/math/test.parquet']
+    data.train_batch_size=1024
+    data.max_prompt_length=1024
+    data.max_response_length=2048
+    data.filter_overlong_prompts=True
+    data.truncation=error
+    actor_rollout_ref.model.path=Qwen/Qwen3-8B
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24576
+    actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=24576
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    trainer.balance_batch=True
+    trainer.logger=["console"]
+    trainer.project_name=verl_grpo_gsm8k_math
+    trainer.experiment_name=qwen3_8b_grpo_vllm_fsdp
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+""".split()
+
+
+def _gsm8k_files(folder: Path, names: tuple[str, ...], rows: int) -> None:
+    """Parquet files in verl's GSM8K format (examples/data_preprocess/gsm8k.py) whose questions the
+    tiny models' character tokenizer can spell."""
+    import pandas as pd
+
+    for k, name in enumerate(names):
+        records = [
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": f"what is {i} plus {k}? think step by step."}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(i + k)},
+                "extra_info": {"split": name, "index": i},
+            }
+            for i in range(rows)
+        ]
+        pd.DataFrame(records).to_parquet(folder / f"{name}.parquet")
+
+
+def _chat_model(sft_run_folder: Path, folder: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    shutil.copytree(sft_run_folder / "model", folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATES["bos"]
+    tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # rotary positions: any length runs (verl's sizes need 1024 and more)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("verl")
+    tiny = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2"]
+    argv = [
+        "sft",
+        f"trainer.output_dir={runs / 'sft'}",
+        "sft.steps=2",
+        "sft.batch_size=8",
+        "trainer.progress_bar=false",
+    ]
+    assert main([*argv, *tiny, "model.num_key_value_heads=1"]) == 0
+    return _chat_model(runs / "sft", runs / "chat_model")
+
+
+def _changed(line: list[str], **values: str) -> list[str]:
+    """verl's command line with the named keys' values replaced (model path, data files, steps)."""
+    out = []
+    for item in line:
+        key = item.partition("=")[0]
+        out.append(f"{key}={values.pop(key)}" if key in values else item)
+    assert not values, f"not in the command line: {values}"
+    return out
+
+
+def test_verls_ppo_quickstart_runs_as_it_is(chat_model, tmp_path, capsys):
+    """verl's PPO quickstart with only the model, the data files and the epochs changed: every
+    engine setting is noted, the run reads the rest, scores responses by verl's GSM8K rule, and
+    runs the steps one epoch of 512 prompts in batches of 256 makes."""
+    _gsm8k_files(tmp_path, ("train", "test"), 512)
+    line = _changed(
+        VERL_PPO_QUICKSTART,
+        **{
+            "actor_rollout_ref.model.path": str(chat_model),
+            "critic.model.path": str(chat_model),
+            "data.train_files": str(tmp_path / "train.parquet"),
+            "data.val_files": str(tmp_path / "test.parquet"),
+            "trainer.total_epochs": "1",
+        },
+    )
+    out = tmp_path / "run"
+    assert main(["ppo", *line, f"trainer.default_local_dir={out}", "trainer.progress_bar=false"]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("refppo: note: ")]
+    engine = [n for n in notes if n.endswith("is a setting of verl's engine: it has no effect in refppo")]
+    assert len(engine) == 5 and "actor_rollout_ref.rollout.name=vllm" in engine[0]
+    # verl's quickstart sets a reference micro-batch and a KL coefficient that it never reads (no KL is on)
+    unread = [n for n in notes if "(verl leaves it unread too)" in n]
+    assert [n.split()[2] for n in unread] == [
+        "ref.log_prob_micro_batch_size_per_gpu=4",
+        "algorithm.kl_ctrl.kl_coef=0.001",
+    ]
+    assert notes[-1].endswith("trainer.critic_warmup=0") and len(notes) == 8, notes
+    config = json.loads((out / "config.json").read_text())
+    assert config["actor"]["optim"]["lr"] == 1e-6 and config["critic"]["ppo_micro_batch_size_per_gpu"] == 4
+    assert config["data"]["task"] == "file" and config["trainer"]["total_training_steps"] == 2
+    assert config["actor"]["optim"]["weight_decay"] == 0.01 and config["model"]["enable_gradient_checkpointing"]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2], "no evaluation before training (trainer.val_before_train=False)"
+    assert "val/score" in rows[-1] and all(0.0 <= r["critic/score/mean"] <= 1.0 for r in rows)
+
+
+def test_verls_grpo_example_runs_as_it_is(chat_model, tmp_path, capsys):
+    """verl's GRPO example (two data files each for training and evaluation), with the model,
+    the files, the sizes a CPU can run and the epochs changed."""
+    _gsm8k_files(tmp_path, ("train_a", "train_b", "test_a", "test_b"), 16)
+    line = _changed(
+        VERL_GRPO_EXAMPLE,
+        **{
+            "actor_rollout_ref.model.path": str(chat_model),
+            "data.train_files": f"[{tmp_path / 'train_a.parquet'},{tmp_path / 'train_b.parquet'}]",
+            "data.val_files": f"[{tmp_path / 'test_a.parquet'},{tmp_path / 'test_b.parquet'}]",
+            "data.train_batch_size": "8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
+            "data.max_prompt_length": "64",
+            "data.max_response_length": "4",
+            "trainer.total_epochs": "1",
+        },
+    )
+    out = tmp_path / "run"
+    assert main(["ppo", *line, f"trainer.default_local_dir={out}", "trainer.progress_bar=false"]) == 0
+    assert (
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True is a setting of verl's engine" in capsys.readouterr().err
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["algorithm"]["adv_estimator"] == "grpo" and config["rollout"]["n"] == 5
+    assert config["trainer"]["total_training_steps"] == 4  # 32 prompts, batches of 8
+    assert len(config["data"]["train_files"]) == 2
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and "actor/kl_loss" in rows[1]
+
+
+def test_a_record_without_a_rule_is_named_when_nothing_else_scores(chat_model, tmp_path):
+    import pandas as pd
+
+    pd.DataFrame(
+        [{"prompt": "a", "data_source": "lighteval/MATH", "reward_model": {"ground_truth": "1"}}] * 64
+    ).to_parquet(tmp_path / "math.parquet")
+    with pytest.raises(ValueError, match="data_source 'lighteval/MATH' has no rule in refppo"):
+        main(
+            [
+                "ppo",
+                f"model.path={chat_model}",
+                f"data.train_files={tmp_path / 'math.parquet'}",
+                f"trainer.output_dir={tmp_path / 'r'}",
+            ]
+        )
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("so the answer is #### 72", "72", 1.0),
+        ("#### 1,234", "1234", 1.0),
+        ("#### 5 then #### 6", "6", 1.0),  # the last one
+        ("#### 5 then #### 6", "5", 0.0),
+        ("the answer is 72", "72", 0.0),  # strict: no ####
+        ("####72", "72", 0.0),
+        ("#### -3", "-3", 1.0),
+        ("#### 72" + " x" * 200, "72", 0.0),  # beyond the last 300 characters
+        ("x" * 400 + " #### 72", "72", 1.0),
+        ("#### 72.0", "72", 0.0),  # compared as text, as verl does
+    ],
+)
+def test_gsm8k_rule_is_verls(response, truth, score):
+    from refppo.tasks.rules import gsm8k_score, rule_reward
+
+    assert gsm8k_score(response, truth) == score
+    record = {"data_source": "openai/gsm8k", "reward_model": {"ground_truth": truth}}
+    assert rule_reward([""], [response], [record]) == [score]
+
+
+def test_full_path_adds_verls_prefix_only_to_its_sections():
+    assert full_path("actor.optim.lr") == "actor_rollout_ref.actor.optim.lr"
+    assert (
+        full_path("critic.optim.lr") == "critic.optim.lr" and full_path("model.path") == "actor_rollout_ref.model.path"
+    )
