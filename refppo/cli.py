@@ -25,20 +25,21 @@ from pathlib import Path
 import torch
 
 from refppo.advantages import needs_critic
-from refppo.config import COMMANDS, Config, apply_overrides, declarations, get_value
-from refppo.data import sft_examples, task_data
+from refppo.config import COMMANDS, Config, declarations, get_value
+from refppo.data import sft_examples, task_data, total_steps
 from refppo.declare import check_once
 from refppo.device import resolve_device
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
 from refppo.memory import SYNTHETIC_RECORD_BYTES
 from refppo.model_folder import check_model_folder, check_same_tokenizer, check_vocabulary
+from refppo.overrides import command_settings
 from refppo.prompts import tokenize_records
 from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary, tensorboard_writer
-from refppo.settings import format_value, ignored_message, ignored_settings, read_settings, valid_text, validate
+from refppo.settings import format_value, ignored_settings, read_settings, valid_text, validate
 from refppo.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit
 from refppo.tasks import preference
-from refppo.verl_map import verl_command, verl_line_defaults
-from refppo.verl_names import is_verl_line, translate
+from refppo.verl_map import verl_command
+from refppo.verl_names import translate
 
 
 def settings_help(command: str, config: Config | None = None) -> str:
@@ -62,33 +63,6 @@ def settings_help(command: str, config: Config | None = None) -> str:
     usage = f"usage: refppo {command} [key=value ...]" + (" [--print-verl]" if command == "ppo" else "")
     lines = [usage, "", "settings (key=default, then the valid values; verl 0.9's full keys are accepted too):"]
     return "\n".join(lines + [f"  {setting.ljust(width)}{valid}".rstrip() for setting, valid in rows])
-
-
-def check_overrides_are_read(command: str, config: Config, overrides: list[str]) -> None:
-    """Refuse an override that ``refppo <command>`` would ignore, naming why: a setting of another
-    command, or one that another setting turns off (:func:`refppo.settings.ignored_settings`).
-
-    Args:
-        command: "sft", "rm" or "ppo".
-        config: the settings after the overrides.
-        overrides: the ``key=value`` texts given.
-    """
-    declared, read, ignored = declarations(config), read_settings(command, config), ignored_settings(config, command)
-    for item in overrides:
-        key = item.partition("=")[0].strip()
-        if key in ignored:
-            raise ValueError(f"refppo {command}: " + ignored_message(item.strip(), key, ignored[key]))
-        if key in read:
-            continue
-        section = key.split(".")[0]
-        same_section = [k for k in read if k.startswith(section + ".")]
-        if declared[key].unread_because:
-            why = declared[key].unread_because
-        elif same_section:
-            why = f"of {section}.* it reads {', '.join(same_section)}"
-        else:
-            why = "it is a setting of " + " and ".join(f"refppo {c}" for c in declared[key].commands)
-        raise ValueError(f"refppo {command} does not read {key} ({why}): drop it")
 
 
 def load_tokenizer(path: str | None):
@@ -238,7 +212,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     from refppo.fit import fit
     from refppo.models import add_lora, freeze, load_causal_lm, load_value_model
     from refppo.reward_fns import check_scores, describe, load_reward_fn
-    from refppo.tasks.rules import rule_problem
+    from refppo.tasks.rules import require_rules
     from refppo.trainer import PPOTrainer
 
     if config.model.path is None:
@@ -247,12 +221,8 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     check_rollouts_fit(config, world, device)
     train, val, task_reward = task_data(config, tokenizer)
     check_batch_fits(config.data.train_batch_size, len(train), "data.train_batch_size", "training prompts")
-    t = config.trainer
-    if t.total_epochs is not None:  # verl's loader drops the last partial batch of an epoch
-        t.total_training_steps = min(
-            t.total_training_steps, t.total_epochs * (len(train) // config.data.train_batch_size)
-        )
-        validate(config, "ppo")
+    config.trainer.total_training_steps = total_steps(config, len(train))
+    validate(config, "ppo")
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device)
     if config.model.lora_rank > 0:
@@ -266,11 +236,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device, require_head=True))
     reward_fn = load_reward_fn(rm_cfg.reward_fn) if rm_cfg.reward_fn else task_reward
     if reward_fn is None and reward_model is None:
-        problem = next(p for record in train + val if (p := rule_problem(record)) is not None)
-        raise ValueError(
-            "data.task=file needs reward_model.reward_fn=package.module:function, reward_model.enable=true, or "
-            f"records refppo has a rule for (a record: {problem})"
-        )
+        require_rules(train + val)
     if reward_fn is not None:  # a reward function that cannot score is found before the run folder exists
         probe = val[:2]
         ids, _ = tokenize_records(tokenizer, probe, config.data)
@@ -302,35 +268,6 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         _save_model(actor, tokenizer, run.path / "actor_adapter", world)
         actor = actor.merge_and_unload()
     _save_model(actor, tokenizer, run.path / "actor", world)
-
-
-def configured(command: str, given: list[str]) -> tuple[Config, list[str]]:
-    """The settings of ``refppo <command> <given>`` (in refppo's or verl's spelling), checked, and
-    the notes to print: verl's engine settings, and, from a verl command line, the settings verl
-    too would leave unread in its configuration, which refppo then drops instead of refusing."""
-    overrides, notes = translate(given)
-
-    def fresh() -> Config:
-        config = Config()
-        config.trainer.output_dir = f"runs/{command}"
-        return config
-
-    defaults = []
-    if is_verl_line(given):
-        config = apply_overrides(fresh(), overrides)
-        unread = ignored_settings(config, command)
-        for item in [item for item in overrides if item.partition("=")[0].strip() in unread]:
-            key = item.partition("=")[0].strip()
-            notes.append(f"{item} is not read: {key} is read only with {unread[key]} (verl leaves it unread too)")
-            overrides.remove(item)
-        defaults = verl_line_defaults(config, overrides, command)
-        if defaults:
-            notes.append(
-                f"a verl command line: verl 0.9's defaults where refppo's are for tiny models: {' '.join(defaults)}"
-            )
-    config = fresh()
-    check_overrides_are_read(command, apply_overrides(config, [*defaults, *overrides]), overrides)
-    return validate(config, command), notes
 
 
 def _raised_by_refppo(error: BaseException) -> bool:
@@ -408,7 +345,7 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     if "-h" in overrides or "--help" in overrides:
         print(settings_help(command))
         return 0
-    config, notes = configured(command, [o for o in overrides if o != "--print-verl"])
+    config, notes = command_settings(command, [o for o in overrides if o != "--print-verl"])
     world = launched_world()  # torchrun's processes, or one
     if world.main:
         print("".join(f"refppo: note: {note}\n" for note in notes), end="", file=sys.stderr)

@@ -127,6 +127,16 @@ def load_records(
     return [rec for _, rec in located]
 
 
+def total_steps(config: Config, prompts: int) -> int:
+    """A PPO run's step count over ``prompts`` training prompts: ``trainer.total_training_steps``,
+    or fewer when ``trainer.total_epochs`` passes over them end sooner (whole batches, as verl's
+    loader drops an epoch's last partial one)."""
+    t = config.trainer
+    if t.total_epochs is None:
+        return t.total_training_steps
+    return min(t.total_training_steps, t.total_epochs * (prompts // config.data.train_batch_size))
+
+
 def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], object]:
     """(train records, evaluation records, default reward function) of ``data.task``; with a
     ``tokenizer``, file prompts longer than ``data.max_prompt_length`` are refused at load time

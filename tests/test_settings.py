@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from refppo.cli import check_overrides_are_read, settings_help
+from refppo.cli import settings_help
 from refppo.config import ActorConfig, Config, apply_overrides
 from refppo.declare import setting
+from refppo.overrides import check_overrides_are_read
 from refppo.settings import ignored_settings, read_settings, resumable_settings, validate
 
 

@@ -36,6 +36,17 @@ def rule_problem(record: dict) -> str | None:
     return None
 
 
+def require_rules(records: list[dict]) -> None:
+    """Raise ValueError, naming the first of ``records`` no rule can score and what else would
+    score them, unless every one has a rule (:func:`rule_problem`)."""
+    for record in records:
+        if (problem := rule_problem(record)) is not None:
+            raise ValueError(
+                "data.task=file needs reward_model.reward_fn=package.module:function, reward_model.enable=true, "
+                f"or records refppo has a rule for (a record: {problem})"
+            )
+
+
 def rule_reward(prompts: list[str], responses: list[str], records: list[dict]) -> list[float]:
     """Each response scored by its record's ``data_source`` rule against
     ``reward_model.ground_truth`` (a reward function: ``fn(prompts, responses, records)``).
