@@ -5,7 +5,7 @@ import torch
 from _inputs import batches, make_mask
 from hypothesis import given
 
-from refppo.metrics import masked_corr, masked_max_min
+from refppo.metrics import masked_corr, masked_max_min, offpolicy_metrics, rollout_is_metrics
 
 
 @given(batches())
@@ -41,3 +41,97 @@ def test_masked_corr_edges():
         masked_max_min(x, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="shape mismatch"):
         masked_corr(x, x, torch.ones(2, 4))
+
+
+def _offpolicy_inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(5, 6, generator=gen, dtype=torch.float64) * 2 - 0.05
+    rollout = old + 0.6 * torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    mask = (torch.arange(6)[None, :] < torch.tensor([[6], [4], [1], [3], [5]])).double()
+    return old, rollout, mask
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_offpolicy_metrics_are_verls(seed):
+    """verl 0.9's compute_offpolicy_metrics, written plainly over Python lists in float64."""
+    old, rollout, mask = _offpolicy_inputs(seed)
+    rows = [
+        [(o, r) for o, r, k in zip(ro, rr, rm) if k]
+        for ro, rr, rm in zip(old.tolist(), rollout.tolist(), mask.tolist())
+    ]
+    tokens = [t for row in rows for t in row]
+    train_seq = [sum(o for o, _ in row) / len(row) for row in rows]
+    roll_seq = [sum(r for _, r in row) / len(row) for row in rows]
+    diff = [r - t for r, t in zip(roll_seq, train_seq)]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    want = {
+        "training_ppl": mean([math.exp(-t) for t in train_seq]),
+        "training_log_ppl": mean([-t for t in train_seq]),
+        "kl": mean([r - o for o, r in tokens]),
+        "k3_kl": mean([math.exp(o - r) - (o - r) - 1 for o, r in tokens]),
+        "rollout_ppl": mean([math.exp(-r) for r in roll_seq]),
+        "rollout_log_ppl": mean([-r for r in roll_seq]),
+        "log_ppl_diff": mean(diff),
+        "log_ppl_abs_diff": mean([abs(d) for d in diff]),
+        "log_ppl_diff_max": max(diff),
+        "log_ppl_diff_min": min(diff),
+        "ppl_ratio": mean([math.exp(d) for d in diff]),
+        "chi2_token": mean([math.exp(2 * (o - r)) for o, r in tokens]) - 1,
+        "chi2_seq": mean([math.exp(2 * sum(o - r for o, r in row)) for row in rows]) - 1,
+    }
+    got = offpolicy_metrics(old, rollout, mask)
+    assert set(got) == {f"rollout_corr/{k}" for k in want}
+    for k, v in want.items():
+        assert got[f"rollout_corr/{k}"].item() == pytest.approx(v, rel=1e-7), k
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [1.2, 2.0])
+def test_rollout_is_metrics_are_verls(level, threshold):
+    """verl 0.9's compute_is_metrics, written plainly over Python lists in float64."""
+    old, rollout, mask = _offpolicy_inputs(7)
+    rows = [
+        [o - r for o, r, k in zip(ro, rr, rm) if k] for ro, rr, rm in zip(old.tolist(), rollout.tolist(), mask.tolist())
+    ]
+    if level == "token":
+        raw = [[math.exp(x) for x in row] for row in rows]
+    else:
+        raw = [[math.exp(sum(row))] * len(row) for row in rows]
+    w = [[min(x, threshold) for x in row] for row in raw]
+    flat, raw_flat = [x for row in w for x in row], [x for row in raw for x in row]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    m = mean(flat)
+    seq = [mean(row) for row in w]
+    raw_seq = [mean(row) for row in raw]
+    want = {
+        "rollout_is_mean": m,
+        "rollout_is_std": math.sqrt(max(mean([x * x for x in flat]) - m * m, 0.0)),
+        "rollout_is_eff_sample_size": 1 / mean([(x / (m + 1e-8)) ** 2 for x in flat]),
+        "rollout_is_seq_mean": mean(seq),
+        "rollout_is_seq_std": math.sqrt(sum((x - mean(seq)) ** 2 for x in seq) / (len(seq) - 1)),
+        "rollout_is_seq_max": max(seq),
+        "rollout_is_seq_min": min(seq),
+        "rollout_is_seq_max_deviation": max(abs(x - 1) for x in seq),
+        "rollout_is_seq_fraction_high": mean([float(x > threshold) for x in raw_seq]),
+        "rollout_is_seq_fraction_low": mean([float(x < 1 / threshold) for x in raw_seq]),
+    }
+    if level == "token":
+        want |= {
+            "rollout_is_max": max(flat),
+            "rollout_is_min": min(flat),
+            "rollout_is_ratio_fraction_high": mean([float(x > threshold) for x in raw_flat]),
+            "rollout_is_ratio_fraction_low": mean([float(x < 1 / threshold) for x in raw_flat]),
+        }
+    else:
+        sums = [sum(row) for row in rows]
+        want |= {
+            "rollout_is_max": math.exp(max(sums)),
+            "rollout_is_min": math.exp(min(sums)),
+            "rollout_is_ratio_fraction_high": mean([float(x > math.log(threshold)) for x in sums]),
+            "rollout_is_ratio_fraction_low": mean([float(x < -math.log(threshold)) for x in sums]),
+        }
+    got = rollout_is_metrics(old, rollout, mask, threshold, level)
+    assert set(got) == {f"rollout_corr/{k}" for k in want}
+    for k, v in want.items():
+        assert got[f"rollout_corr/{k}"].item() == pytest.approx(v, rel=1e-7, abs=1e-12), k
+    assert 0 < want["rollout_is_ratio_fraction_high"] < 1 or 0 < want["rollout_is_ratio_fraction_low"] < 1

@@ -124,6 +124,24 @@ GOOD = {
         rollout_is_weights=_x(4).abs(),
         loss_scale_factor=8.0,
     ),
+    "compute_policy_loss_clip_cov": lambda: _pair(
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_cov_ratio=0.5,
+        clip_cov_lb=0.0,
+        clip_cov_ub=5.0,
+        loss_agg_mode="token-mean",
+        rollout_is_weights=_x(4).abs(),
+        loss_scale_factor=None,
+    ),
+    "compute_policy_loss_kl_cov": lambda: _pair(
+        kl_cov_ratio=0.5,
+        ppo_kl_coef=0.1,
+        loss_agg_mode="token-mean",
+        rollout_is_weights=_x(4).abs(),
+        loss_scale_factor=None,
+    ),
     "compute_policy_loss_gpg": lambda: dict(
         log_prob=_lp(2),
         advantages=_x(3),
@@ -199,14 +217,26 @@ VALID = {
             "compute_policy_loss_gspo",
             "compute_policy_loss_cispo",
             "compute_policy_loss_geo_mean",
+            "compute_policy_loss_clip_cov",
         )
         for arg in ("clip_ratio_low", "clip_ratio_high", "rollout_is_weights")
     ),
     ("compute_policy_loss_gpg", "rollout_is_weights", "None"),
+    ("compute_policy_loss_kl_cov", "rollout_is_weights", "None"),
+    # a covariance bound may be any number (the window is refused only when empty)
+    ("compute_policy_loss_clip_cov", "clip_cov_lb", "-1"),
     ("clip_bounds", "clip_ratio_low", "None"),
     ("clip_bounds", "clip_ratio_high", "None"),
     ("compute_policy_loss_sapo", "rollout_is_weights", "None"),
-    *((f, "loss_scale_factor", "None") for f in ("compute_policy_loss_cispo", "compute_policy_loss_gpg")),
+    *(
+        (f, "loss_scale_factor", "None")
+        for f in (
+            "compute_policy_loss_cispo",
+            "compute_policy_loss_gpg",
+            "compute_policy_loss_clip_cov",
+            "compute_policy_loss_kl_cov",
+        )
+    ),
     ("compute_value_loss", "cliprange_value", "None"),
     # computing on a meta tensor alone is shape inference: nothing reads a value
     ("entropy_from_logits", "logits", "meta"),
