@@ -143,9 +143,10 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Ziegler et al. (2019) proportional controller (``algorithm.kl_ctrl.type=adaptive``).
+    """Ziegler et al. (2019)'s controller (``algorithm.kl_ctrl.type=adaptive``).
 
-    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon).
+    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon): each step is
+    proportional to the clipped relative error, so log beta integrates it (ch 6.3).
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
