@@ -125,7 +125,7 @@ def rollout_is_metrics(
         per sequence (each one's mean weight) ``_seq_mean``, ``_seq_std``, ``_seq_max``, ``_seq_min``,
         ``_seq_max_deviation`` (from 1), ``_seq_fraction_high`` and ``_low``.
     """
-    mask, valid = response_mask, response_mask.bool()
+    mask = response_mask
     weights = compute_rollout_is_weights(old_log_prob, rollout_log_prob, mask, threshold, level)
     log_ratio = (old_log_prob - rollout_log_prob) * mask
     if level == "sequence":
@@ -144,9 +144,8 @@ def rollout_is_metrics(
         out |= {
             "rollout_is_ratio_fraction_high": masked_mean((raw > threshold).float(), mask),
             "rollout_is_ratio_fraction_low": masked_mean((raw < 1 / threshold).float(), mask),
-            "rollout_is_max": weights.masked_fill(~valid, -torch.inf).max(),
-            "rollout_is_min": weights.masked_fill(~valid, torch.inf).min(),
         }
+        out["rollout_is_max"], out["rollout_is_min"] = masked_max_min(weights, mask)
     mean = masked_mean(weights, mask)
     spread = (masked_mean(weights.square(), mask) - mean.square()).clamp(min=0.0).sqrt()
     out["rollout_is_std"] = spread if mask.sum() > 1 else torch.zeros_like(mean)

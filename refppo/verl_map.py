@@ -111,12 +111,10 @@ def _effective(config: Config, key: str):
     section, _, name = key.rpartition(".")
     value, n = get_value(config, key), config.rollout.n
     if name.endswith("micro_batch_size_per_gpu") and value is None:  # null: the whole (mini-)batch's rows
-        if section in ("actor", "critic"):
-            return (
-                critic_setting(config, "ppo_mini_batch_size") * n
-                if section == "critic"
-                else config.actor.ppo_mini_batch_size * n
-            )
+        if section == "actor":
+            return config.actor.ppo_mini_batch_size * n
+        if section == "critic":
+            return critic_setting(config, "ppo_mini_batch_size") * n
         return config.data.train_batch_size * n
     if section == "critic" and name in CRITIC_FROM_ACTOR:
         return critic_setting(config, name)
