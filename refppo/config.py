@@ -18,9 +18,37 @@ import dataclasses
 from dataclasses import dataclass
 
 from refppo import verl_losses  # noqa: F401  (registers verl's other policy losses, which config names)
-from refppo.advantages import ADV_ESTIMATORS, needs_critic
+from refppo.advantages import ADV_ESTIMATORS
+from refppo.conditions import (
+    ACTOR_NORM,
+    ARITHMETIC,
+    COSINE,
+    CRITIC_NORM,
+    DYNAMIC_BSZ,
+    ENDS_AT_EOS,
+    ESTIMATOR_TAKES,
+    EVALUATING,
+    EVALUATION_PROMPTS,
+    FILE_TASK,
+    HAS_CRITIC,
+    IS_WEIGHTS,
+    KL_CTRL_ADAPTIVE,
+    KL_CTRL_TARGET,
+    KL_IN_REWARD,
+    KL_LOSS,
+    LORA,
+    LOSS_TAKES,
+    NO_ENTROPY_BONUS,
+    OLD_LOG_PROB_PASS,
+    ONE_CLIP_BOUND_UNSET,
+    REFERENCE,
+    REWARD_MODEL,
+    TINY_MODEL,
+    WARMUP,
+    WARMUP_BY_RATIO,
+    critic_setting,
+)
 from refppo.declare import (
-    Site,
     apply_overrides,
     declarations,
     get_value,
@@ -29,7 +57,6 @@ from refppo.declare import (
     owner_of,
     section,
     setting,
-    when,
 )
 from refppo.kl import KL_CONTROLLER_TYPES, kl_penalty_types
 from refppo.losses import LOSS_AGG_MODES, POLICY_LOSSES
@@ -53,80 +80,6 @@ POSITIVE, COUNT, NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
 RATE, POSITIVE_RATE = "[0, 1e10]", "(0, 1e10]"
 
 
-# ---- conditions under which a setting is read (refppo.declare.Needs) ---------------------
-NORM = "seq-mean-token-sum-norm"
-
-
-def _takers(registry, key: str, input_name: str) -> str:
-    return f"{key}={' or '.join(n for n in registry.names() if registry.takes(n, input_name))}"
-
-
-def _critic_norm(c: Config) -> bool:
-    return needs_critic(c.algorithm.adv_estimator) and critic_setting(c, "loss_agg_mode") == NORM
-
-
-HAS_CRITIC = when(
-    lambda s: needs_critic(s.config.algorithm.adv_estimator),
-    lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", "values") + " (an estimator with a critic)",
-)
-WARMUP = when(  # 0 is accepted without a critic too: verl's GRPO scripts set it
-    lambda s: HAS_CRITIC(s) is None or s.config.trainer.critic_warmup == 0,
-    lambda s: HAS_CRITIC(s),
-)
-LOSS_TAKES = when(  # a setting of the policy loss: read by the losses that declare it
-    lambda s: POLICY_LOSSES.takes(s.config.actor.policy_loss, s.name),
-    lambda s: _takers(POLICY_LOSSES, "actor.policy_loss", s.name),
-)
-ESTIMATOR_TAKES = when(  # a setting of the advantage estimator: read by those that declare it
-    lambda s: ADV_ESTIMATORS.takes(s.config.algorithm.adv_estimator, s.name),
-    lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", s.name),
-)
-KL_IN_REWARD = when(lambda s: s.config.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward=true")
-ENDS_AT_EOS = when(lambda s: not s.config.rollout.ignore_eos, "rollout.ignore_eos=false (responses that can end)")
-KL_LOSS = when(lambda s: s.config.actor.use_kl_loss, "actor.use_kl_loss=true")
-REFERENCE = when(
-    lambda s: s.config.algorithm.use_kl_in_reward or s.config.actor.use_kl_loss,
-    "algorithm.use_kl_in_reward=true or actor.use_kl_loss=true (the reference pass)",
-)
-OLD_LOG_PROB_PASS = when(
-    lambda s: not s.config.algorithm.rollout_correction.bypass_mode,
-    "algorithm.rollout_correction.bypass_mode=false (bypass reuses the sampler's log-probs)",
-)
-IS_WEIGHTS = when(lambda s: s.owner.rollout_is is not None, "algorithm.rollout_correction.rollout_is=token or sequence")
-ONE_CLIP_BOUND_UNSET = when(
-    lambda s: s.owner.clip_ratio_low is None or s.owner.clip_ratio_high is None,
-    "actor.clip_ratio_low or actor.clip_ratio_high null (both are set)",
-)
-ACTOR_NORM = when(
-    lambda s: s.owner.loss_agg_mode == NORM or (_critic_norm(s.config) and s.config.critic.loss_scale_factor is None),
-    f"actor.loss_agg_mode={NORM}, or a critic whose loss mode is that with critic.loss_scale_factor null",
-)
-CRITIC_NORM = when(lambda s: _critic_norm(s.config), f"critic.loss_agg_mode={NORM} (null: actor.loss_agg_mode)")
-NO_ENTROPY_BONUS = when(
-    lambda s: s.owner.entropy_coeff == 0, "actor.entropy_coeff=0 (a coefficient computes the entropy anyway)"
-)
-DYNAMIC_BSZ = when(lambda s: s.owner.use_dynamic_bsz, lambda s: f"{s.section}use_dynamic_bsz=true")
-WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps == -1, lambda s: f"{s.section}lr_warmup_steps=-1")
-COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")
-KL_CTRL_TARGET = when(lambda s: s.owner.type != "fixed", "algorithm.kl_ctrl.type=adaptive or ppo_paper")
-KL_CTRL_ADAPTIVE = when(lambda s: s.owner.type == "adaptive", "algorithm.kl_ctrl.type=adaptive")
-EVALUATING = when(lambda s: s.owner.test_freq > 0, "trainer.test_freq > 0")
-LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
-FILE_TASK = when(lambda s: s.config.data.task == "file", "data.task=file")
-ARITHMETIC = when(lambda s: s.config.data.task == "arithmetic", "data.task=arithmetic")
-REWARD_MODEL = when(lambda s: s.config.reward_model.enable, "reward_model.enable=true")
-FRESH_MODEL = when(
-    lambda s: s.config.model.path is None, "model.path=null (a fresh tiny model; a checkpoint brings its own shape)"
-)
-TINY_MODEL = {"commands": ("sft",), "needs": FRESH_MODEL, "unread_because": "the model's shape comes from model.path"}
-
-
-def _evaluation_prompts(s: Site) -> str | None:
-    if s.config.data.task == "file" and s.config.data.val_files:
-        return "data.val_files=null (data.val_files holds the evaluation prompts)"
-    return None
-
-
 # ---- the settings ------------------------------------------------------------------------
 @dataclass
 class DataConfig:
@@ -140,7 +93,7 @@ class DataConfig:
     train_batch_size: int = setting(64, COUNT)  # prompts per step
     # prompts evaluated (arithmetic's are held out of training; preference has only 56); SFT scores
     # one greedy response to each, within the two length limits
-    val_size: int = setting(200, COUNT, commands=("sft", "ppo"), needs=_evaluation_prompts)
+    val_size: int = setting(200, COUNT, commands=("sft", "ppo"), needs=EVALUATION_PROMPTS)
     max_prompt_length: int = setting(16, COUNT, commands=("sft", "ppo"))
     max_response_length: int = setting(8, COUNT, commands=("sft", "ppo"))
     truncation: str = setting("error", TRUNCATION_MODES)
@@ -435,15 +388,3 @@ def flatten(values: dict, prefix: str = "") -> dict:
     for k, v in values.items():
         out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
     return out
-
-
-# The critic settings that are the actor's when unset (verl's config interpolates them).
-CRITIC_FROM_ACTOR = ("ppo_epochs", "ppo_mini_batch_size", "loss_agg_mode", "loss_scale_factor")
-
-
-def critic_setting(config: Config, name: str):
-    """``critic.<name>``, or ``actor.<name>`` when unset, for a name in ``CRITIC_FROM_ACTOR``:
-    ``ppo_epochs``, ``ppo_mini_batch_size`` (prompts), ``loss_agg_mode``, ``loss_scale_factor``
-    (still None when both are: the trainer then divides by ``data.max_response_length``)."""
-    value = getattr(config.critic, name)
-    return getattr(config.actor, name) if value is None else value

@@ -28,7 +28,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.config import CRITIC_FROM_ACTOR, Config, config_to_dict, flatten
+from refppo.conditions import CRITIC_FROM_ACTOR
+from refppo.config import Config, config_to_dict, flatten
 from refppo.distributed import SINGLE, World, barrier
 from refppo.settings import resumable_settings
 

@@ -5,7 +5,8 @@ tables, so they cannot drift from the config."""
 
 from __future__ import annotations
 
-from refppo.config import CRITIC_FROM_ACTOR, Config, critic_setting, declarations, get_value
+from refppo.conditions import CRITIC_FROM_ACTOR, critic_setting
+from refppo.config import Config, declarations, get_value
 from refppo.settings import format_value, ignored_settings, read_settings
 from refppo.verl_names import VALUES, verl_key
 
