@@ -254,6 +254,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         reward_fn=reward_fn,
         reward_model=reward_model,
         extra_reward_fns=extras,
+        answer_fn=str.strip if config.data.task == "arithmetic" else None,  # its response is the answer
         world=world,
     )
     if "tensorboard" in config.trainer.logger:

@@ -44,6 +44,7 @@ from refppo.conditions import (
     REFERENCE,
     REWARD_MODEL,
     TINY_MODEL,
+    VAL_SAMPLING,
     WARMUP,
     WARMUP_BY_RATIO,
     critic_setting,
@@ -192,6 +193,20 @@ class ActorConfig:
 
 
 @dataclass
+class ValKwargsConfig:
+    """``rollout.val_kwargs.*`` (verl's): the validation pass that verl's ``val-core/*`` metrics
+    score. ``do_sample=false``: one greedy response per held-out prompt; ``true``: ``n`` each,
+    sampled at this temperature, top_k and top_p (:mod:`refppo.validation`)."""
+
+    top_k: int = setting(-1, "-1 or [1, inf)", needs=VAL_SAMPLING, resumable=True)
+    top_p: float = setting(1.0, "(0, 1]", needs=VAL_SAMPLING, resumable=True)
+    # verl's engine decodes greedily at 0; refppo asks for do_sample=false instead
+    temperature: float = setting(0.0, NONNEG, needs=VAL_SAMPLING, resumable=True)
+    n: int = setting(1, COUNT, needs=VAL_SAMPLING, resumable=True)
+    do_sample: bool = setting(False, resumable=True)
+
+
+@dataclass
 class RolloutConfig:
     """``rollout.*`` (verl's ``actor_rollout_ref.rollout.*``): sampling, and the micro-batch of the
     old-log-prob pass."""
@@ -204,6 +219,7 @@ class RolloutConfig:
     # decode over a static KV cache replayed as CUDA graphs; null: on with CUDA
     cuda_graphs: bool | None = setting(None, resumable=True)
     log_prob_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=OLD_LOG_PROB_PASS, resumable=True)
+    val_kwargs: ValKwargsConfig = section(ValKwargsConfig, needs=EVALUATING)
 
 
 @dataclass
@@ -315,6 +331,8 @@ class TrainerConfig:
     save_freq: int = setting(100, "-1 or [1, inf)", resumable=True)
     test_freq: int = setting(100, "-1 or [1, inf)", resumable=True)  # steps between evaluations (val/*); -1: never
     val_before_train: bool = setting(True, needs=EVALUATING, resumable=True)  # and one at step 0, the SFT level
+    # validation responses written to val_generations.jsonl at each validation, chosen as verl does
+    log_val_generations: int = setting(0, NONNEG, needs=EVALUATING, resumable=True)
     # continue the run in output_dir from its last checkpoint
     resume: bool = setting(False, resumable=True, unread_because="it saves no checkpoints")
     # Steps that update only the critic, as verl's documentation defines it; verl's trainer

@@ -7,12 +7,13 @@ from tqdm.auto import tqdm
 
 from refppo.metrics import bar_fields
 from refppo.trainer import PPOTrainer
+from refppo.validation import held_out_metrics
 
 
 def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[str, float]]:
     """Train to ``trainer.total_training_steps``, validating every ``test_freq`` steps (and at
-    step 0, the SFT level, with ``val_before_train``), logging one metrics line per step and checkpointing every
-    ``save_freq`` steps and at the end.
+    step 0, the SFT level, with ``val_before_train``; :func:`refppo.validation.held_out_metrics`),
+    logging one metrics line per step and checkpointing every ``save_freq`` steps and at the end.
 
     Args:
         trainer: a PPOTrainer, possibly restored from a checkpoint.
@@ -31,8 +32,14 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
         if run is not None:
             run.log(step, metrics)
 
+    def validate(step: int) -> dict[str, float]:
+        metrics, generations = held_out_metrics(trainer)
+        if run is not None and generations:
+            run.log_generations(step, generations)
+        return metrics
+
     if trainer.step == 0 and t.test_freq > 0 and t.val_before_train:
-        record(0, trainer.held_out_metrics())
+        record(0, validate(0))
     shown = progress_bar and trainer.world.main
     bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not shown, desc="ppo")
     while trainer.step < t.total_training_steps:
@@ -40,7 +47,7 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
         step = trainer.step
         last = step == t.total_training_steps
         if t.test_freq > 0 and (step % t.test_freq == 0 or last):
-            metrics.update(trainer.held_out_metrics())
+            metrics.update(validate(step))
         record(step, metrics)
         if run is not None and ((t.save_freq > 0 and step % t.save_freq == 0) or last):
             run.save_checkpoint(step, trainer.save_checkpoint)

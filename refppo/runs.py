@@ -288,6 +288,7 @@ class RunFolder:
     def __init__(self, path: str | os.PathLike, config: Config, resume: Resume | None = None, world: World = SINGLE):
         self.path, self.resume, self.world = Path(path), resume, world
         self.metrics_path = self.path / "metrics.jsonl"
+        self.generations_path = self.path / "val_generations.jsonl"
         self.tensorboard = None
         if not world.main:
             return
@@ -296,7 +297,11 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)  # checkpoints/ comes with the first checkpoint
         _atomic_write_text(self.path / "config.json", _config_json(config))
         if resume is not None:
+            # as the metrics, the validation samples of steps after the checkpoint are dropped
+            kept = _metrics_until(self.generations_path, resume.step, resume.notes)
             _atomic_write_text(self.metrics_path, "".join(resume.metrics))
+            if self.generations_path.exists():
+                _atomic_write_text(self.generations_path, "".join(kept))
             for note in resume.notes:
                 print(f"refppo: {note}", file=sys.stderr)
             print(f"refppo: resuming {self.path} from step {resume.step}", file=sys.stderr)
@@ -326,6 +331,13 @@ class RunFolder:
             for k, v in metrics.items():
                 self.tensorboard.add_scalar(k, v, step)
             self.tensorboard.flush()
+
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        """Append one JSON line ``{"step": step, **sample}`` per validation sample
+        (``trainer.log_val_generations``) to ``val_generations.jsonl``."""
+        if self.world.main:
+            with open(self.generations_path, "a") as f:
+                f.writelines(json.dumps({"step": step, **sample}) + "\n" for sample in samples)
 
     def save_checkpoint(self, step: int, write) -> Path:
         """Write a checkpoint for ``step``: ``write(folder)`` fills a temporary folder (on every
@@ -414,6 +426,7 @@ def summary(path: str | os.PathLike) -> str:
     seconds = sum(r.get("timing_s/step") or 0.0 for r in rows)
     if seconds:
         lines.append(f"  time in training steps: {seconds:.1f} s")
+    logs = ["val_generations.jsonl"] if (path / "val_generations.jsonl").exists() else []
     folders = [p.name + "/" for p in sorted(path.iterdir()) if p.is_dir()]
-    lines.append(f"  files: config.json, metrics.jsonl, {', '.join(folders)}")
+    lines.append(f"  files: {', '.join(['config.json', 'metrics.jsonl', *logs, *folders])}")
     return "\n".join(lines)

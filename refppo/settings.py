@@ -237,6 +237,12 @@ def _check_combinations(config: Config) -> None:
         f"trainer.logger={','.join(t.logger)}: refppo always reports on the console (trainer.progress_bar=false "
         "hides the bar); keep console in the list",
     )
+    kw = r.val_kwargs
+    _require(
+        not (t.test_freq > 0 and kw.do_sample and kw.temperature == 0),
+        "rollout.val_kwargs.do_sample=true samples at rollout.val_kwargs.temperature, which is 0: give a temperature "
+        "> 0 (verl's engine would decode greedily, which is rollout.val_kwargs.do_sample=false)",
+    )
     _require(
         not (d.task == "file" and d.train_files is None), "data.task=file needs data.train_files (JSONL or Parquet)"
     )

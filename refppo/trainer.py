@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,6 +74,7 @@ class PPOTrainer:
         reference: the frozen reference; by default ``make_reference(actor)``.
         extra_reward_fns: name -> reward function reported (never trained on) for rollouts as
             ``reward/<name>/mean`` and at validation as ``val/<name>``, e.g. a gold reward.
+        answer_fn: a response text's answer, for validation's maj@k (:mod:`refppo.validation`).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class PPOTrainer:
         reward_model=None,
         reference=None,
         extra_reward_fns: dict[str, RewardFn] | None = None,
+        answer_fn: Callable[[str], str] | None = None,
         world: World = SINGLE,
     ):
         c = config
@@ -99,7 +102,7 @@ class PPOTrainer:
             raise ValueError(f"algorithm.adv_estimator={c.algorithm.adv_estimator} {needs}")
         self.config, self.tokenizer, self.actor, self.critic = c, tokenizer, actor, critic
         self.reward_fn, self.reward_model = reward_fn, reward_model
-        self.extra_reward_fns = extra_reward_fns or {}
+        self.extra_reward_fns, self.answer_fn = extra_reward_fns or {}, answer_fn
         self.val_records, self.world = val_records, world
         self.device = actor.device
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
@@ -125,19 +128,21 @@ class PPOTrainer:
 
     # ---- phase 1: generate -------------------------------------------------------------
     def generate(
-        self, records: list[dict], n: int, do_sample: bool = True, first_row: int = 0, stream: int = 0
+        self, records: list[dict], n: int, do_sample: bool = True, first_row: int = 0, stream: int = 0, sampling=None
     ) -> dict[str, torch.Tensor]:
         """Roll out ``n`` responses for each record's prompt (:func:`refppo.generation.generate`),
         row ``first_row + i`` of the step's whole batch drawn from its own numbers
-        (:func:`refppo.generation.row_uniforms`; ``stream`` 1 for evaluation)."""
-        c, tok, r = self.config, self.tokenizer, self.config.rollout
+        (:func:`refppo.generation.row_uniforms`; ``stream`` 1 or 2 for evaluation), at ``sampling``'s
+        temperature, top_k and top_p (``rollout.val_kwargs``; None: ``rollout``'s)."""
+        c, tok = self.config, self.tokenizer
+        s = sampling or c.rollout
         ids, mask = tokenize_records(tok, records, c.data)
         limit, rows = c.data.max_response_length, range(first_row, first_row + len(ids) * n)
-        sampling = dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, ignore_eos=r.ignore_eos, n=n)
-        sampling["uniforms"] = row_uniforms(c.trainer.seed, self.step, rows, limit, stream)
+        kwargs = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, ignore_eos=c.rollout.ignore_eos, n=n)
+        kwargs["uniforms"] = row_uniforms(c.trainer.seed, self.step, rows, limit, stream)
         with distributed.Unsharded(self.actor, self.world):  # each token passes every layer: gather the weights once
             model, eos, pad = self.sampling_model, tok.eos_token_id, tok.pad_token_id
-            return generate(model, ids, mask, eos, pad, limit, do_sample=do_sample, **sampling)
+            return generate(model, ids, mask, eos, pad, limit, do_sample=do_sample, **kwargs)
 
     def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sequence scores (B,) for training, and the extra (reported-only) scores by name.
@@ -394,23 +399,6 @@ class PPOTrainer:
         if c.actor.use_kl_loss:
             metrics["actor/kl_coef"] = c.actor.kl_loss_coef
         return metrics
-
-    @torch.no_grad()
-    def held_out_metrics(self) -> dict[str, float]:
-        """Validation (verl's ``_validate``): held-out prompts, one greedy response each
-        (``val/score``, ``val/<extra>``) and one sampled at the rollout temperature
-        (``val/score_sampled``, what training optimises). verl logs the greedy mean as
-        ``val-core/<data_source>/reward/mean@1`` (``acc`` for ``reward`` when the reward function
-        returns one); refppo has one data source and keeps the short name."""
-        out, (records, first, count) = {}, distributed.padded_share(self.val_records, self.world)
-        for suffix, do_sample in (("", False), ("_sampled", True)):
-            batch = self.generate(records, n=1, do_sample=do_sample, first_row=first, stream=1)
-            scores, extras = self.score(batch, records)
-            lengths = batch["response_mask"].sum(-1).float()
-            gathered = {"score": scores, **extras, "response_length": lengths}
-            for key, value in gathered.items():  # every process's rows, then the mean
-                out[f"val/{key}{suffix}"] = distributed.gather_rows(value, self.world)[:count].mean()
-        return {k: float(v) for k, v in out.items()}
 
     # ---- checkpoints -------------------------------------------------------------------
     def _roles(self) -> dict:

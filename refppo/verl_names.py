@@ -94,8 +94,6 @@ MISSING = {
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode's REINFORCE loss"),
     "actor_rollout_ref.rollout.do_sample": ("true", "greedy rollouts"),
     "actor_rollout_ref.rollout.over_sample_rate": ("0", "over-sampling with early stopping"),
-    "actor_rollout_ref.rollout.val_kwargs.n": ("1", "multi-sample validation"),
-    "actor_rollout_ref.rollout.val_kwargs.do_sample": ("false", "sampled validation (refppo's is greedy)"),
     "actor_rollout_ref.actor.shuffle": ("false", "shuffling the mini-batches of an epoch"),
     "critic.shuffle": ("false", "shuffling the mini-batches of an epoch"),
     "actor_rollout_ref.actor.use_prefix_grouper": ("false", "prefix-shared forward passes"),
@@ -106,7 +104,6 @@ MISSING = {
     "data.reward_fn_key": ("data_source", "choosing the rule by another column"),
     "data.gen_batch_size": ("null", "a generation batch other than data.train_batch_size"),
     "trainer.val_only": ("false", "validation-only runs"),
-    "trainer.log_val_generations": ("0", "writing validation samples"),
     "reward.reward_manager.name": ("naive", "other reward managers"),
 }
 

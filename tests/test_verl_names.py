@@ -129,7 +129,7 @@ def test_engine_settings_are_noted_and_change_nothing():
     [
         ("algorithm.filter_groups.enable=true", "refppo does not implement DAPO's dynamic sampling"),
         ("algorithm.rollout_correction.rollout_rs=seq_mean_k1", "rejection sampling"),
-        ("actor_rollout_ref.rollout.val_kwargs.n=4", "multi-sample validation"),
+        ("algorithm.use_pf_ppo=true", "preference-feedback PPO"),
         ("trainer.resume_mode=resume_path", "refppo takes auto or disable"),
         ("actor.policy_mode=bypass", "actor.policy_mode is now algorithm.rollout_correction.bypass_mode=true"),
         ("actor.rollout_is_threshold=2", "is now algorithm.rollout_correction.rollout_is_threshold"),

@@ -1,0 +1,230 @@
+"""Validation's metrics (refppo.validation) against plain references written from verl 0.9's
+``process_validation_metrics``, ``_val_metrics_update`` and ``_maybe_log_val_generations``."""
+
+import itertools
+import json
+import random
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from test_cli import QUICK_PPO, TINY
+
+from refppo.cli import main
+from refppo.config import Config, apply_overrides
+from refppo.runs import Resume, RunFolder
+from refppo.settings import validate
+from refppo.validation import chosen_generations, pass_at_k, subset_sizes, validation_metrics
+
+
+def verl_sizes(n):
+    """verl's gen_ns, as a loop: 2, 4, ... while below n, then n (none for one response)."""
+    if n <= 1:
+        return []
+    sizes, k = [], 2
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n]
+
+
+def verl_majority(values, answers):
+    """verl's calc_maj_val: the answers counted in order of first appearance, the first one with the
+    top count wins, and its first value is returned."""
+    votes = {}
+    for value, answer in zip(values, answers):
+        votes.setdefault(answer, []).append(value)
+    best = None
+    for answer, vals in votes.items():
+        if best is None or len(vals) > len(votes[best]):
+            best = answer
+    return votes[best][0]
+
+
+def verl_bootstrap(data, size, reduce_fn):
+    """verl's bootstrap_metric for one function: the global generator seeded with 42, 1000 subsets
+    drawn with replacement, the function applied to each, then (mean, population std)."""
+    np.random.seed(42)
+    idx = np.random.choice(len(data), size=(1000, size), replace=True)
+    results = [float(reduce_fn([data[i] for i in row])) for row in idx]
+    return sum(results) / len(results), float(np.sqrt(np.mean((np.array(results) - np.mean(results)) ** 2)))
+
+
+def verl_reference(sources, uids, variables, answers):
+    """verl's metrics, one prompt and one variable at a time, in float64 Python."""
+    grouped = defaultdict(lambda: defaultdict(list))
+    for i, (s, u) in enumerate(zip(sources, uids)):
+        grouped[s][u].append(i)
+    out = {}
+    for source, prompts in grouped.items():
+        core = "acc" if "acc" in variables else "reward"
+        for name, values in variables.items():
+            per_metric = defaultdict(list)
+            for rows in prompts.values():
+                v = [values[i] for i in rows]
+                n = len(v)
+                m = {f"mean@{n}": sum(v) / n}
+                if n > 1:
+                    m[f"std@{n}"] = (sum((x - sum(v) / n) ** 2 for x in v) / n) ** 0.5
+                for k in verl_sizes(n):
+                    m[f"best@{k}/mean"], m[f"best@{k}/std"] = verl_bootstrap(v, k, max)
+                    m[f"worst@{k}/mean"], m[f"worst@{k}/std"] = verl_bootstrap(v, k, min)
+                    if answers is not None:
+                        pairs = list(zip(v, [answers[i] for i in rows]))
+                        fn = lambda sample: verl_majority([p[0] for p in sample], [p[1] for p in sample])  # noqa: E731
+                        m[f"maj@{k}/mean"], m[f"maj@{k}/std"] = verl_bootstrap(pairs, k, fn)
+                for key, value in m.items():
+                    per_metric[key].append(value)
+            n_max = max(int(key.split("@")[-1].split("/")[0]) for key in per_metric)
+            for key, vals in per_metric.items():
+                core_metric = name == core and key.split("@")[0] in ("mean", "maj", "best") and f"@{n_max}" in key
+                out[f"{'val-core' if core_metric else 'val-aux'}/{source}/{name}/{key}"] = sum(vals) / len(vals)
+    return out
+
+
+def random_validation(seed, binary=False, with_acc=False):
+    rng = random.Random(seed)
+    sources, uids, answers = [], [], []
+    for p in range(rng.randint(1, 6)):
+        source = rng.choice(["gsm8k", "math"])
+        n = rng.choice([1, 3, 4, 5, 8])  # verl repeats every prompt n times; a source may mix n here
+        for _ in range(n):
+            sources.append(source)
+            uids.append(f"uid{p}")
+            answers.append(rng.choice("AB C"))
+    m = len(sources)
+    reward = [float(rng.random() < 0.5) if binary else rng.gauss(0, 1) for _ in range(m)]
+    variables = {"reward": reward, "gold": [rng.uniform(-1, 1) for _ in range(m)]}
+    if with_acc:
+        variables["acc"] = [float(rng.random() < 0.3) for _ in range(m)]
+    return sources, uids, variables, answers
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("with_answers", [False, True])
+def test_validation_metrics_equal_verls(seed, with_answers):
+    sources, uids, variables, answers = random_validation(seed, binary=seed % 2 == 0, with_acc=seed % 3 == 0)
+    answers = answers if with_answers else None
+    ours = validation_metrics(sources, uids, variables, answers)
+    reference = verl_reference(sources, uids, variables, answers)
+    assert {k: v for k, v in ours.items() if "/pass@" not in k} == pytest.approx(reference, rel=1e-12, abs=1e-12)
+
+
+def test_pass_at_k_counts_the_subsets_that_hold_a_pass():
+    """Unbiased pass@k: the share of the k-subsets of n responses with at least one pass."""
+    for n in range(1, 8):
+        for c in range(n + 1):
+            passed = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(passed, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-15)
+
+
+def test_pass_at_k_is_logged_for_zero_one_variables_only():
+    sources, uids = ["t"] * 8, [0] * 4 + [1] * 4
+    reward = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    gold = [0.5, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # mostly 0 or 1
+    out = validation_metrics(sources, uids, {"reward": reward, "gold": gold})
+    assert out["val-aux/t/reward/pass@1"] == out["val-core/t/reward/mean@4"] == 1 / 8
+    assert out["val-aux/t/reward/pass@2"] == pytest.approx((1 - 3 / 6) / 2)  # prompt 0: 1 - C(3,2)/C(4,2)
+    assert out["val-core/t/reward/pass@4"] == 0.5
+    assert not [k for k in out if "gold/pass" in k], "0.5 is no pass or fail"
+
+
+def test_subset_sizes_are_verls():
+    assert [subset_sizes(n) for n in range(1, 40)] == [verl_sizes(n) for n in range(1, 40)]
+
+
+def test_chosen_generations_are_verls():
+    rng = random.Random(0)
+    inputs = [rng.choice("abcdef") for _ in range(20)]
+    outputs, scores = [f"o{i}" for i in range(20)], [float(i) for i in range(20)]
+    samples = sorted(zip(inputs, outputs, scores), key=lambda x: x[0])
+    rs = np.random.RandomState(42)
+    rs.shuffle(samples)
+    expected = [{"input": i, "output": o, "score": s} for i, o, s in samples[:5]]
+    assert chosen_generations(inputs, outputs, scores, 5) == expected
+
+
+def test_val_kwargs_sampling_needs_a_temperature():
+    c = apply_overrides(Config(), ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=4"])
+    with pytest.raises(ValueError, match="rollout.val_kwargs.temperature, which is 0"):
+        validate(c)
+    validate(apply_overrides(c, ["rollout.val_kwargs.temperature=0.7"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, needs",
+    [
+        (["rollout.val_kwargs.n=4"], "rollout.val_kwargs.do_sample=true"),
+        (["trainer.test_freq=-1", "rollout.val_kwargs.do_sample=true"], "trainer.test_freq > 0"),
+        (["trainer.test_freq=-1", "trainer.log_val_generations=4"], "trainer.test_freq > 0"),
+    ],
+)
+def test_val_kwargs_unread_are_refused(overrides, needs):
+    with pytest.raises(ValueError, match=needs):
+        validate(apply_overrides(Config(), overrides))
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "sft"
+    assert main(["sft", f"trainer.output_dir={out}", "sft.steps=20", "sft.batch_size=16", *TINY]) == 0
+    return out / "model"
+
+
+def test_multi_sample_validation_in_a_run(sft_model, tmp_path):
+    """With val_kwargs sampling 3 responses to each of 8 prompts, mean@3 is the mean of the 24
+    logged samples, the arithmetic answers vote (maj@3) and pass@3 is logged; greedy val/score stays."""
+    out = tmp_path / "ppo"
+    sampling = ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=3", "rollout.val_kwargs.temperature=1"]
+    args = [f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO, *sampling]
+    assert main(["ppo", *args, "trainer.log_val_generations=100"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    generations = [json.loads(line) for line in (out / "val_generations.jsonl").read_text().splitlines()]
+    for step in (0, 1, 2):
+        mine = [g for g in generations if g["step"] == step]
+        assert len(mine) == 24 and {g["input"] for g in mine} == {g["input"] for g in generations}
+        row = next(r for r in rows if r["step"] == step and "val/score" in r)
+        mean = sum(g["score"] for g in mine) / 24
+        assert row["val-core/arithmetic/reward/mean@3"] == pytest.approx(mean, abs=1e-12)
+        assert {"val-core/arithmetic/reward/maj@3/mean", "val-core/arithmetic/reward/pass@3"} <= set(row)
+        assert row["val-core/arithmetic/reward/best@3/mean"] >= row["val-core/arithmetic/reward/mean@3"]
+
+
+def test_greedy_validation_is_verls_mean_at_one(sft_model, tmp_path):
+    out = tmp_path / "ppo"
+    assert main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in (r for r in rows if "val/score" in r):
+        assert row["val-core/arithmetic/reward/mean@1"] == pytest.approx(row["val/score"], abs=1e-7)
+    assert not (out / "val_generations.jsonl").exists(), "trainer.log_val_generations=0 writes none"
+
+
+def test_a_resume_drops_the_samples_of_steps_after_its_checkpoint(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lines = [json.dumps({"step": s, "input": "1+1=", "output": "2", "score": 1.0}) for s in (0, 1, 2, 3)]
+    (folder / "val_generations.jsonl").write_text("\n".join(lines) + "\n")
+    resume = Resume(step=2, state={}, metrics=[], notes=[], folder=folder / "checkpoints" / "step_000002")
+    RunFolder(folder, Config(), resume=resume)
+    kept = [json.loads(line)["step"] for line in (folder / "val_generations.jsonl").read_text().splitlines()]
+    assert kept == [0, 1, 2]
+
+
+def test_val_kwargs_sampling_settings_are_used(sft_model, tmp_path):
+    """top_k=1 leaves one token to sample: the n samples are the greedy response, so mean@2 is
+    val/score (a pass that ignored val_kwargs would sample at the rollout's top_k=-1)."""
+    out = tmp_path / "ppo"
+    sampling = ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=3"]
+    args = [f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO, *sampling, "rollout.val_kwargs.top_k=1"]
+    assert main(["ppo", *args, "trainer.log_val_generations=16"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    generations = [json.loads(line) for line in (out / "val_generations.jsonl").read_text().splitlines()]
+    for row in (r for r in rows if "val/score" in r):
+        assert row["val-core/arithmetic/reward/mean@2"] == pytest.approx(row["val/score"], abs=1e-7)
+        assert row["val-aux/arithmetic/reward/std@2"] == 0
+    outputs = defaultdict(set)
+    for g in generations:
+        outputs[g["step"], g["input"]].add(g["output"])
+    assert all(len(o) == 1 for o in outputs.values()), "both samples of a prompt are its greedy response"
