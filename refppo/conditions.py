@@ -69,6 +69,10 @@ LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
 FILE_TASK = when(lambda s: s.config.data.task == "file", "data.task=file")
 ARITHMETIC = when(lambda s: s.config.data.task == "arithmetic", "data.task=arithmetic")
 REWARD_MODEL = when(lambda s: s.config.reward_model.enable, "reward_model.enable=true")
+RULE_SCORES = when(lambda s: not s.config.reward_model.enable, "reward_model.enable=false (a rule or reward_fn scores)")
+DAPO_MANAGER = when(lambda s: s.config.reward_model.reward_manager == "dapo", "reward_model.reward_manager=dapo")
+OVERLONG = when(lambda s: s.config.reward_model.overlong_buffer.enable, "reward_model.overlong_buffer.enable=true")
+FILTERING = when(lambda s: s.owner.enable, "algorithm.filter_groups.enable=true")
 FRESH_MODEL = when(
     lambda s: s.config.model.path is None, "model.path=null (a fresh tiny model; a checkpoint brings its own shape)"
 )

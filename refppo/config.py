@@ -24,12 +24,14 @@ from refppo.conditions import (
     ARITHMETIC,
     COSINE,
     CRITIC_NORM,
+    DAPO_MANAGER,
     DYNAMIC_BSZ,
     ENDS_AT_EOS,
     ESTIMATOR_TAKES,
     EVALUATING,
     EVALUATION_PROMPTS,
     FILE_TASK,
+    FILTERING,
     HAS_CRITIC,
     IS_WEIGHTS,
     KL_CTRL_ADAPTIVE,
@@ -41,8 +43,10 @@ from refppo.conditions import (
     NO_ENTROPY_BONUS,
     OLD_LOG_PROB_PASS,
     ONE_CLIP_BOUND_UNSET,
+    OVERLONG,
     REFERENCE,
     REWARD_MODEL,
+    RULE_SCORES,
     TINY_MODEL,
     VAL_SAMPLING,
     WARMUP,
@@ -71,6 +75,7 @@ __all__ = [
 
 TASKS = ("arithmetic", "preference", "file")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 LR_SCHEDULERS = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("console", "tensorboard")
@@ -263,6 +268,17 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """``reward_model.overlong_buffer.*`` (verl's ``reward.reward_kwargs.overlong_buffer_cfg.*``):
+    DAPO's soft overlong punishment (:func:`refppo.rewards.overlong_penalty`)."""
+
+    enable: bool = setting(False)
+    len: int = setting(0, NONNEG, needs=OVERLONG)  # the last len tokens of data.max_response_length
+    penalty_factor: float = setting(0.0, NONNEG, needs=OVERLONG)  # the penalty at the limit
+    log: bool = setting(False, needs=OVERLONG, resumable=True)  # report it (reward/overlong_reward/mean, ...)
+
+
+@dataclass
 class RewardModelConfig:
     """``reward_model.*`` (verl's ``reward_model.*``; ``reward_fn`` plays verl's
     ``custom_reward_function``): where scores come from."""
@@ -274,6 +290,10 @@ class RewardModelConfig:
     # subtracted from the score of a response that never ended (as TRL); with rollout.ignore_eos
     # every response runs to the limit, and the penalty would shift every score alike
     missing_eos_penalty: float = setting(0.0, NONNEG, needs=ENDS_AT_EOS)
+    # verl's reward manager: dapo adds the overlong shaping to a rule's (or reward_fn's) score
+    reward_manager: str = setting("naive", ("naive", "dapo"), needs=RULE_SCORES)
+    overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, needs=DAPO_MANAGER)
+    max_resp_len: int | None = setting(None, COUNT, needs=(DAPO_MANAGER, OVERLONG))  # null: data.max_response_length
 
 
 @dataclass
@@ -304,6 +324,18 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """``algorithm.filter_groups.*`` (verl's): DAPO's dynamic sampling
+    (:func:`refppo.dynamic_sampling.fill_batch`)."""
+
+    enable: bool = setting(False)
+    # the score the group must vary in: acc, score and seq_reward are each response's score here;
+    # seq_final_reward the same without KL in the reward (which needs passes that run after filtering)
+    metric: str | None = setting(None, FILTER_METRICS, needs=FILTERING)
+    max_num_gen_batches: int = setting(0, NONNEG, needs=FILTERING, resumable=True)  # 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     """``algorithm.*`` (verl's ``algorithm.*``): discounting, the advantage estimator and KL in the
     reward."""
@@ -316,6 +348,7 @@ class AlgorithmConfig:
     kl_penalty: str = setting("kl", kl_penalty_types, needs=KL_IN_REWARD)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, needs=KL_IN_REWARD)
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig)
 
 
 @dataclass

@@ -204,8 +204,8 @@ def barrier(world: World) -> None:
 def check_world(config, world: World) -> None:
     """Refuse, before any work, a run that cannot be split over ``world``'s processes: each takes
     whole prompts (so a GRPO or RLOO group stays on one process) and an equal share of every
-    mini-batch's rows; LoRA, log-probs from the hidden states, CUDA-graph decoding and token-budget
-    micro-batches are not available under FSDP2 here.
+    mini-batch's rows; LoRA, log-probs from the hidden states, CUDA-graph decoding, token-budget
+    micro-batches and dynamic sampling are not available under FSDP2 here.
 
     Args:
         config: the run's settings.
@@ -236,6 +236,7 @@ def check_world(config, world: World) -> None:
         ("rollout.cuda_graphs", c.rollout.cuda_graphs),
         ("actor.use_dynamic_bsz", c.actor.use_dynamic_bsz),
         ("critic.use_dynamic_bsz", c.critic.use_dynamic_bsz),
+        ("algorithm.filter_groups.enable", c.algorithm.filter_groups.enable),  # each process would keep its own count
     ]:
         if on:
             problems.append(

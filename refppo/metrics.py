@@ -283,7 +283,7 @@ def bar_fields(metrics: dict[str, float]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def timer(timing: dict, name: str, device: torch.device) -> Iterator[None]:
-    """Store the block's wall time (its device work included) in ``timing["timing_s/<name>"]``;
+    """Add the block's wall time (its device work included) to ``timing["timing_s/<name>"]``;
     in a ``torch.profiler`` trace its operators sit under a range of that name."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -292,7 +292,7 @@ def timer(timing: dict, name: str, device: torch.device) -> Iterator[None]:
         yield
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    timing[f"timing_s/{name}"] = time.perf_counter() - start
+    timing[f"timing_s/{name}"] = timing.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
 def peak_memory_gb(device: torch.device) -> float:

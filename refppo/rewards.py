@@ -77,6 +77,49 @@ def apply_missing_eos_penalty(scores: torch.Tensor, is_truncated: torch.Tensor, 
     return scores - penalty * is_truncated.to(scores.dtype)
 
 
+@checks_once
+def overlong_penalty(
+    response_length: torch.Tensor, max_response_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (verl's DAPO reward manager): 0 for a response of up to
+    ``max_response_length - buffer_len`` tokens, then falling linearly with each further token, to
+    ``-penalty_factor`` at ``max_response_length``.
+
+    Args:
+        response_length: (batch,) tokens in each response (its EOS included).
+        max_response_length: the longest response (``data.max_response_length``).
+        buffer_len: the length of the sloped part, in (0, max_response_length].
+        penalty_factor: >= 0.
+
+    Returns:
+        (batch,) float32 penalties, <= 0, added to the scores.
+    """
+    check_number("buffer_len", buffer_len, f"(0, {max_response_length}]")
+    check_number("penalty_factor", penalty_factor, "[0, inf)")
+    check_ndim("response_length", response_length, 1)
+    exceed = response_length.float() - (max_response_length - buffer_len)
+    return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
+
+
+def overlong_shaped(scores: torch.Tensor, batch: dict, max_response_length: int, buffer) -> tuple[torch.Tensor, dict]:
+    """Scores plus :func:`overlong_penalty` of each response's length, as verl's DAPO reward manager.
+
+    Args:
+        scores: (B,) the rule's scores.
+        batch: its ``response_mask`` (B, R).
+        max_response_length: ``data.max_response_length``.
+        buffer: the ``reward_model.overlong_buffer`` settings (``len``, ``penalty_factor``, ``log``).
+
+    Returns:
+        (scores (B,), extras): with ``buffer.log``, ``overlong_reward`` (the penalties) and
+        ``overlong`` (1 where penalised), verl's names; else no extras.
+    """
+    lengths = batch["response_mask"].sum(-1).to(scores.device)
+    penalty = overlong_penalty(lengths, max_response_length, buffer.len, buffer.penalty_factor)
+    extras = {"overlong_reward": penalty, "overlong": (penalty < 0).float()} if buffer.log else {}
+    return scores + penalty, extras
+
+
 @torch.no_grad()
 @checks_once
 def apply_kl_penalty(

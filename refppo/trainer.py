@@ -40,6 +40,7 @@ from refppo.checks import broken_by_update, check_values, value_checks
 from refppo.config import Config, critic_setting
 from refppo.data import EpochSampler
 from refppo.distributed import SINGLE, World
+from refppo.dynamic_sampling import fill_batch
 from refppo.forward import compute_scores, response_values
 from refppo.functional import masked_mean
 from refppo.generation import generate, row_uniforms
@@ -51,7 +52,7 @@ from refppo.optim import make_optimizer
 from refppo.prompts import decode_texts, tokenize_records
 from refppo.registry import call_declared
 from refppo.reward_fns import RewardFn, check_scores, describe
-from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
+from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, overlong_shaped, place_score_on_last_token
 from refppo.rollout_correction import compute_rollout_is_weights
 from refppo.runs import STATE_FILE, load_models, save_models
 from refppo.update import minibatch_updates
@@ -147,11 +148,11 @@ class PPOTrainer:
     def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sequence scores (B,) for training, and the extra (reported-only) scores by name.
 
-        A response that hit the length limit without EOS loses ``reward_model.missing_eos_penalty``:
-        a reward model never saw unfinished responses, and may score them anything.
+        With ``reward_model.reward_manager=dapo`` a rule's score gets DAPO's overlong shaping, as
+        verl's DAPO reward manager adds it. A response that hit the length limit without EOS loses
+        ``reward_model.missing_eos_penalty``: a reward model never saw unfinished responses.
         """
-        texts = None
-        rm = self.config.reward_model
+        texts, extras, rm = None, {}, self.config.reward_model
         if self.reward_model is not None:
             scores = compute_scores(self.reward_model, batch, rm.micro_batch_size_per_gpu)
         else:
@@ -159,22 +160,24 @@ class PPOTrainer:
             scores = check_scores(
                 self.reward_fn(*texts, rows), len(rows), f"reward function {describe(self.reward_fn)}"
             )
+            if rm.reward_manager == "dapo" and rm.overlong_buffer.enable:
+                limit = rm.max_resp_len or self.config.data.max_response_length
+                scores, extras = overlong_shaped(scores, batch, limit, rm.overlong_buffer)
         if rm.missing_eos_penalty > 0:
             scores = apply_missing_eos_penalty(scores.to(self.device), batch["is_truncated"], rm.missing_eos_penalty)
-        extras = {}
         for name, fn in self.extra_reward_fns.items():
             texts = texts or decode_texts(self.tokenizer, batch)
             extras[name] = check_scores(fn(*texts, rows), len(rows), f"reward function {name!r}")
         return scores.to(self.device), extras
 
     # ---- phase 2: evaluate -------------------------------------------------------------
-    def evaluate(self, batch: dict[str, torch.Tensor], rows: list[dict], timing: dict) -> dict[str, torch.Tensor]:
-        """Score the responses and add the keys listed in the module docstring to ``batch``.
+    def evaluate(self, batch: dict[str, torch.Tensor], scores: torch.Tensor, extras: dict, timing: dict) -> dict:
+        """Add the keys listed in the module docstring to a scored batch.
 
         Args:
             batch: a rollout from :meth:`generate`, B rows.
-            rows: the B records the rows answer (what the reward function reads).
-            timing: receives ``timing_s/reward``, ``/ref``, ``/old_log_prob``, ``/values``, ``/adv``.
+            scores, extras: its scores (B,) and extra scores by name, from :meth:`score`.
+            timing: receives ``timing_s/ref``, ``/old_log_prob``, ``/values``, ``/adv``.
 
         Returns:
             Metrics as detached scalars: ``reward/<name>/mean`` of the extra reward functions,
@@ -184,9 +187,6 @@ class PPOTrainer:
         """
         c, mask, device, passes = self.config, batch["response_mask"], self.device, self.accel.actor
         temp, correction = c.rollout.temperature, c.algorithm.rollout_correction
-        # 2a. the score of each response: a reward model or a rule
-        with timer(timing, "reward", device):
-            scores, extras = self.score(batch, rows)
         # 2b. log pi_ref and log pi_old of the sampled tokens (bypass takes the sampler's as pi_old)
         if self.need_ref:
             with timer(timing, "ref", device):
@@ -335,21 +335,33 @@ class PPOTrainer:
 
     # ---- one step ----------------------------------------------------------------------
     def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, dict]:
-        """Phases 1 and 2 for a batch of prompt records: generate, then evaluate.
+        """Phases 1 and 2 for a batch of prompt records: generate, score, then evaluate (with
+        ``algorithm.filter_groups``, DAPO's dynamic sampling: :func:`refppo.dynamic_sampling.fill_batch`).
 
         Args:
             records: the step's prompt records (``data.train_batch_size`` of them).
-            timing: receives ``timing_s/gen`` and the evaluate timings.
+            timing: receives ``timing_s/gen``, ``timing_s/reward`` and the evaluate timings.
 
         Returns:
             (batch, stats): the batch holds every key of :func:`refppo.generation.generate` plus
             those ``evaluate`` adds, B = len(records) x rollout.n rows; stats as ``evaluate`` returns.
         """
-        n, share = self.config.rollout.n, self.world.share(len(records))  # this process's prompts
+        if self.config.algorithm.filter_groups.enable:
+            batch, scores, extras, stats = fill_batch(self, records, timing)
+        else:
+            (batch, scores, extras), stats = self.generate_and_score(records, timing), {}
+        return batch, stats | self.evaluate(batch, scores, extras, timing)
+
+    def generate_and_score(self, records: list[dict], timing: dict, first_row: int = 0):
+        """This process's share of ``records``: its rollout (row ``first_row`` on of the step's
+        draws) and the scores and extra scores of :meth:`score`."""
+        n, share = self.config.rollout.n, self.world.share(len(records))
         with timer(timing, "gen", self.device):
-            batch = self.generate(records[share], n, first_row=share.start * n)
+            batch = self.generate(records[share], n, first_row=first_row + share.start * n)
         batch["index"] += share.start
-        return batch, self.evaluate(batch, [r for r in records[share] for _ in range(n)], timing)
+        with timer(timing, "reward", self.device):
+            scores, extras = self.score(batch, [r for r in records[share] for _ in range(n)])
+        return batch, scores, extras
 
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
         """Phase 3: the critic's update, then the actor's (with a critic, after ``trainer.critic_warmup`` steps).

@@ -31,6 +31,21 @@ NAMES = {
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.model_path": "reward_model.model.path",
     "trainer.default_local_dir": "trainer.output_dir",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    **{
+        f"reward.reward_kwargs.overlong_buffer_cfg.{k}": f"reward_model.overlong_buffer.{k}"
+        for k in ("enable", "len", "penalty_factor", "log")
+    },
+    "reward.reward_kwargs.max_resp_len": "reward_model.max_resp_len",
+}
+# verl keys its config file lacks, which its DAPO command lines add with "+", and their values
+# in verl's DAPO recipe config (the reward manager's keyword arguments)
+ADDED = {
+    "reward.reward_kwargs.overlong_buffer_cfg.enable": False,
+    "reward.reward_kwargs.overlong_buffer_cfg.len": 0,
+    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.0,
+    "reward.reward_kwargs.overlong_buffer_cfg.log": False,
+    "reward.reward_kwargs.max_resp_len": None,
 }
 VALUES = {("actor.policy_loss", "vanilla"): "clip"}  # verl's name of a value -> refppo's
 # a verl setting whose values are refppo settings
@@ -83,12 +98,12 @@ ENGINE = (
     "data.return_full_prompt", "data.filter_overlong_prompts_workers", "data.val_batch_size",
     # refppo's log-prob passes take the actor's token budget (actor.use_dynamic_bsz)
     *(f"actor_rollout_ref.{r}.log_prob_{k}" for r in ("rollout", "ref") for k in ("use_dynamic_bsz", "max_token_len_per_gpu")),  # noqa: E501
-    "reward.num_workers", "global_profiler.", "ray_kwargs.", "transfer_queue.",
+    "reward.num_workers", "algorithm.filter_groups.max_inflight_gen_batches",  # generation batches in flight
+    "global_profiler.", "ray_kwargs.", "transfer_queue.",
 )  # fmt: skip
 # verl settings refppo does not implement: the value that turns each off (accepted, with a
 # note) and what is missing.
 MISSING = {
-    "algorithm.filter_groups.enable": ("false", "DAPO's dynamic sampling"),
     "algorithm.use_pf_ppo": ("false", "preference-feedback PPO's reweighting"),
     "algorithm.rollout_correction.rollout_rs": ("null", "rejection sampling of off-policy responses"),
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode's REINFORCE loss"),
@@ -104,7 +119,6 @@ MISSING = {
     "data.reward_fn_key": ("data_source", "choosing the rule by another column"),
     "data.gen_batch_size": ("null", "a generation batch other than data.train_batch_size"),
     "trainer.val_only": ("false", "validation-only runs"),
-    "reward.reward_manager.name": ("naive", "other reward managers"),
 }
 
 

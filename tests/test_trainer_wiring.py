@@ -610,7 +610,8 @@ def test_kl_in_the_reward_reaches_the_critic_target_and_the_advantages_only():
     batch, _ = trainer.make_experience(records, {})
     with_beta = dict(batch)
     trainer.kl_ctrl.value = 0.7
-    trainer.evaluate(with_beta, records, {})  # the same responses, scored again
+    rows = [r for r in records for _ in range(trainer.config.rollout.n)]
+    trainer.evaluate(with_beta, *trainer.score(with_beta, rows), {})  # the same responses, scored again
     mask = batch["response_mask"].bool()
     for key in ("token_level_rewards", "advantages", "returns"):
         assert (with_beta[key] - batch[key])[mask].abs().max() > 1e-4, key

@@ -14,9 +14,10 @@ from refppo.cli import main
 from refppo.config import Config, apply_overrides, declarations, get_value
 from refppo.settings import format_value, validate
 from refppo.verl_map import OTHER_DEFAULTS, REFPPO_ONLY, key_map, verl_command
-from refppo.verl_names import ENGINE, MISSING, NAMES, RENAMED, full_path, refppo_key, translate, verl_key
+from refppo.verl_names import ADDED, ENGINE, MISSING, NAMES, RENAMED, full_path, refppo_key, translate, verl_key
 
-VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys.json").read_text())["defaults"]
+# verl 0.9's config keys and defaults, and those its DAPO command lines add
+VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys.json").read_text())["defaults"] | ADDED
 KEYS = list(declarations(Config()))
 
 
@@ -127,7 +128,7 @@ def test_engine_settings_are_noted_and_change_nothing():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("algorithm.filter_groups.enable=true", "refppo does not implement DAPO's dynamic sampling"),
+        ("data.gen_batch_size=512", "refppo does not implement a generation batch other than"),
         ("algorithm.rollout_correction.rollout_rs=seq_mean_k1", "rejection sampling"),
         ("algorithm.use_pf_ppo=true", "preference-feedback PPO"),
         ("trainer.resume_mode=resume_path", "refppo takes auto or disable"),
@@ -142,8 +143,8 @@ def test_what_refppo_lacks_or_renamed_is_refused_by_name(override, message):
 
 
 def test_a_missing_feature_at_its_off_value_is_accepted_with_a_note():
-    items, notes = translate(["algorithm.filter_groups.enable=False", "data.shuffle=True"])
-    assert items == [] and ["DAPO's dynamic sampling" in notes[0], "unshuffled" in notes[1]] == [True, True]
+    items, notes = translate(["algorithm.use_pf_ppo=False", "data.shuffle=True"])
+    assert items == [] and ["preference-feedback PPO" in notes[0], "unshuffled" in notes[1]] == [True, True]
 
 
 def test_one_setting_in_two_spellings_is_given_twice(capsys, monkeypatch):
