@@ -186,10 +186,39 @@ def _check_tiny_model(m) -> None:
     )
 
 
+def _check_dapo_and_validation(config: Config) -> None:
+    """DAPO's settings (dynamic sampling, overlong shaping) and validation sampling."""
+    d, r, alg, t, rm = config.data, config.rollout, config.algorithm, config.trainer, config.reward_model
+    fg, buffer = alg.filter_groups, rm.overlong_buffer
+    _require(
+        not fg.enable or fg.metric is not None,
+        "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (acc, score, seq_reward or "
+        "seq_final_reward: the score its groups must vary in)",
+    )
+    _require(
+        not (fg.enable and fg.metric == "seq_final_reward" and alg.use_kl_in_reward),
+        "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the KL penalty needs "
+        "the log-prob passes, which run after the filtering; filter on seq_reward (the score)",
+    )
+    longest = rm.max_resp_len or d.max_response_length
+    _require(
+        not (rm.reward_manager == "dapo" and buffer.enable) or 0 < buffer.len <= longest,
+        f"reward_model.overlong_buffer.len={buffer.len} must be in (0, {longest}] (reward_model.max_resp_len, "
+        "null: data.max_response_length): the penalty slopes over the last len tokens",
+    )
+    kw = r.val_kwargs
+    _require(
+        not (t.test_freq > 0 and kw.do_sample and kw.temperature == 0),
+        "rollout.val_kwargs.do_sample=true samples at rollout.val_kwargs.temperature, which is 0: give a temperature "
+        "> 0 (verl's engine would decode greedily, which is rollout.val_kwargs.do_sample=false)",
+    )
+
+
 def _check_combinations(config: Config) -> None:
     """Settings each valid alone that cannot work together."""
     _check_tiny_model(config.model)
     _check_task_size(config.data)
+    _check_dapo_and_validation(config)
     d, a, r, alg, t, rm = (
         config.data,
         config.actor,
@@ -236,29 +265,6 @@ def _check_combinations(config: Config) -> None:
         "console" in t.logger,
         f"trainer.logger={','.join(t.logger)}: refppo always reports on the console (trainer.progress_bar=false "
         "hides the bar); keep console in the list",
-    )
-    fg, buffer = alg.filter_groups, rm.overlong_buffer
-    _require(
-        not fg.enable or fg.metric is not None,
-        "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (acc, score, seq_reward or "
-        "seq_final_reward: the score its groups must vary in)",
-    )
-    _require(
-        not (fg.enable and fg.metric == "seq_final_reward" and alg.use_kl_in_reward),
-        "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the KL penalty needs "
-        "the log-prob passes, which run after the filtering; filter on seq_reward (the score)",
-    )
-    longest = rm.max_resp_len or d.max_response_length
-    _require(
-        not (rm.reward_manager == "dapo" and buffer.enable) or 0 < buffer.len <= longest,
-        f"reward_model.overlong_buffer.len={buffer.len} must be in (0, {longest}] (reward_model.max_resp_len, "
-        "null: data.max_response_length): the penalty slopes over the last len tokens",
-    )
-    kw = r.val_kwargs
-    _require(
-        not (t.test_freq > 0 and kw.do_sample and kw.temperature == 0),
-        "rollout.val_kwargs.do_sample=true samples at rollout.val_kwargs.temperature, which is 0: give a temperature "
-        "> 0 (verl's engine would decode greedily, which is rollout.val_kwargs.do_sample=false)",
     )
     _require(
         not (d.task == "file" and d.train_files is None), "data.task=file needs data.train_files (JSONL or Parquet)"
