@@ -8,7 +8,7 @@ from __future__ import annotations
 from refppo.conditions import CRITIC_FROM_ACTOR, critic_setting
 from refppo.config import Config, declarations, get_value
 from refppo.settings import format_value, ignored_settings, read_settings
-from refppo.verl_names import VALUES, verl_key
+from refppo.verl_names import ADDED, VALUES, verl_key
 
 TINY = "the shape of a fresh tiny model (model.path=null); verl always loads a checkpoint"
 OWN_COMMAND = "refppo's own {} command; verl trains {} with a separate program"
@@ -123,6 +123,8 @@ def _effective(config: Config, key: str):
         return config.critic.model.path or config.model.path
     if key in ("actor.clip_ratio_low", "actor.clip_ratio_high"):
         return config.actor.clip_ratio if value is None else value
+    if key == "reward_model.max_resp_len" and value is None:  # verl's DAPO manager needs it given
+        return config.data.max_response_length
     return value
 
 
@@ -153,6 +155,7 @@ def verl_command(config: Config, command: str = "ppo") -> str:
         if value is not None or key != "actor.use_torch_compile":
             text = f"[{','.join(map(str, value))}]" if isinstance(value, tuple) else format_value(value)
             text = {v: k[1] for k, v in VALUES.items() if k[0] == key}.get(text, text)  # verl's name of the value
-            lines.append(f"    {verl_key(key)}={text}")
+            plus = "+" if verl_key(key) in ADDED else ""  # a key verl's config file lacks
+            lines.append(f"    {plus}{verl_key(key)}={text}")
     head = " \\\n".join(lines)
     return head + ("\n# refppo settings verl has no counterpart for:\n" + "\n".join(alone) if alone else "")

@@ -220,3 +220,22 @@ def test_dynamic_sampling_runs_on_one_process_only():
     world = World(rank=0, size=2, distributed=True)
     with pytest.raises(ValueError, match="algorithm.filter_groups.enable is not available with FSDP2"):
         check_world(config, world)
+
+
+def test_print_verl_gives_dapos_keys_as_verl_reads_them():
+    """``--print-verl`` spells the reward manager's keyword arguments with Hydra's "+" (verl's
+    config file lacks them) and gives max_resp_len, which verl's DAPO manager needs; the line reads
+    back into the same settings."""
+    from refppo.verl_map import verl_command
+
+    dapo = [*DAPO, "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"]
+    config = validate(
+        apply_overrides(Config(), [*dapo, "reward_model.overlong_buffer.len=2", "trainer.critic_warmup=0"])
+    )
+    text = verl_command(config)
+    args = [ln.strip().rstrip(" \\") for ln in text.splitlines()[1:] if not ln.startswith("#")]
+    assert "+reward.reward_kwargs.overlong_buffer_cfg.len=2" in args and "+reward.reward_kwargs.max_resp_len=8" in args
+    assert "algorithm.filter_groups.metric=acc" in args and "reward.reward_manager.name=dapo" in args
+    overrides, _ = translate([a for a in args if not a.startswith("trainer.total_epochs")])
+    back = validate(apply_overrides(Config(), overrides))
+    assert verl_command(back) == text
