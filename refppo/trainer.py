@@ -161,8 +161,8 @@ class PPOTrainer:
                 self.reward_fn(*texts, rows), len(rows), f"reward function {describe(self.reward_fn)}"
             )
             if rm.reward_manager == "dapo" and rm.overlong_buffer.enable:
-                limit = rm.max_resp_len or self.config.data.max_response_length
-                scores, extras = overlong_shaped(scores, batch, limit, rm.overlong_buffer)
+                limit, b = rm.max_resp_len or self.config.data.max_response_length, rm.overlong_buffer
+                scores, extras = overlong_shaped(scores, batch["response_mask"], limit, b.len, b.penalty_factor, b.log)
         if rm.missing_eos_penalty > 0:
             scores = apply_missing_eos_penalty(scores.to(self.device), batch["is_truncated"], rm.missing_eos_penalty)
         for name, fn in self.extra_reward_fns.items():

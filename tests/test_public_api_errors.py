@@ -179,6 +179,12 @@ GOOD = {
     "apply_missing_eos_penalty": lambda: dict(
         scores=_x()[:, 0], is_truncated=torch.tensor([True, False, True]), penalty=1.0
     ),
+    "overlong_penalty": lambda: dict(
+        response_length=torch.tensor([1, 3, 4]), max_response_length=4, buffer_len=2, penalty_factor=1.0
+    ),
+    "overlong_shaped": lambda: dict(
+        scores=_x()[:, 0], response_mask=_mask(), max_response_length=4, buffer_len=2, penalty_factor=1.0, log=True
+    ),
     "apply_kl_penalty": lambda: dict(
         token_level_scores=_x(1),
         old_log_probs=_lp(2),
@@ -244,6 +250,7 @@ VALID = {
     *((f, arg, "nan") for f in ("kl_k1", "kl_k2", "kl_k3", "kl_abs") for arg in ("logprob", "ref_logprob")),
     # any response width goes with (batch,) scores; a micro-batch may be narrower than its mini-batch
     ("place_score_on_last_token", "response_mask", "shape"),
+    ("overlong_shaped", "response_mask", "shape"),
     ("agg_loss_weight", "mini_mask", "shape"),
     # NaN logits give NaN log-probs, which every reader refuses; looking costs a pass over the vocabulary
     ("logprobs_from_logits", "logits", "nan"),
