@@ -45,6 +45,7 @@ OLD_LOG_PROB_PASS = when(
     lambda s: not s.config.algorithm.rollout_correction.bypass_mode,
     "algorithm.rollout_correction.bypass_mode=false (bypass reuses the sampler's log-probs)",
 )
+REJECTING = when(lambda s: s.owner.rollout_rs is not None, "algorithm.rollout_correction.rollout_rs=<criteria>")
 IS_WEIGHTS = when(lambda s: s.owner.rollout_is is not None, "algorithm.rollout_correction.rollout_is=token or sequence")
 ONE_CLIP_BOUND_UNSET = when(
     lambda s: s.owner.clip_ratio_low is None or s.owner.clip_ratio_high is None,

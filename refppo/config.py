@@ -45,6 +45,7 @@ from refppo.conditions import (
     ONE_CLIP_BOUND_UNSET,
     OVERLONG,
     REFERENCE,
+    REJECTING,
     REWARD_MODEL,
     RULE_SCORES,
     TINY_MODEL,
@@ -320,6 +321,10 @@ class RolloutCorrectionConfig:
     rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS, needs=OLD_LOG_PROB_PASS)
     rollout_is_threshold: float = setting(2.0, "(0, inf]", needs=IS_WEIGHTS)  # the weights' truncation
     rollout_is_batch_normalize: bool = setting(False, needs=IS_WEIGHTS)  # divide by their batch mean
+    # rejection sampling: comma-separated criteria (refppo.rollout_correction.RS_OPTIONS) and their
+    # bounds, one for all or one each ("0.5_2.0" bounds a k1 ratio; the others take an upper bound)
+    rollout_rs: str | None = setting(None, needs=OLD_LOG_PROB_PASS)
+    rollout_rs_threshold: str | None = setting(None, needs=REJECTING)
     bypass_mode: bool = setting(False)
 
 

@@ -180,7 +180,8 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
         against the recomputed ones (``training/rollout_probs_diff_*``,
         ``training/rollout_actor_probs_pearson_corr``); scalar tensors.
     """
-    mask = batch["response_mask"]
+    mask = batch["response_mask"]  # the advantages' tokens (rejection sampling may have dropped some)
+    sampled = batch["attention_mask"][:, batch["prompts"].shape[1] :]  # every sampled token, as verl measures
     rows = torch.ones_like(mask[:, 0])
     out = {}
 
@@ -201,22 +202,23 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
         # recomputation; far from 0 (and a correlation below 1) when the two disagree
         old, rollout = batch["old_log_probs"].exp(), batch["rollout_log_probs"].exp()
         diff = (old - rollout).abs()
-        out["training/rollout_probs_diff_mean"] = masked_mean(diff, mask)
-        out["training/rollout_probs_diff_max"] = masked_max_min(diff, mask)[0]
-        out["training/rollout_probs_diff_std"] = masked_var(diff, mask).sqrt()
-        out["training/rollout_actor_probs_pearson_corr"] = masked_corr(old, rollout, mask)
+        out["training/rollout_probs_diff_mean"] = masked_mean(diff, sampled)
+        out["training/rollout_probs_diff_max"] = masked_max_min(diff, sampled)[0]
+        out["training/rollout_probs_diff_std"] = masked_var(diff, sampled).sqrt()
+        out["training/rollout_actor_probs_pearson_corr"] = masked_corr(old, rollout, sampled)
         # verl's rollout-correction diagnostics, logged in decoupled mode (bypass has no pi_old to compare)
         old_lp, rollout_lp, correction = (
             batch["old_log_probs"],
             batch["rollout_log_probs"],
             config.algorithm.rollout_correction,
         )
-        out |= offpolicy_metrics(old_lp, rollout_lp, mask)
+        out |= offpolicy_metrics(old_lp, rollout_lp, sampled)
         if correction.rollout_is is not None:
-            out |= rollout_is_metrics(old_lp, rollout_lp, mask, correction.rollout_is_threshold, correction.rollout_is)
+            threshold, level = correction.rollout_is_threshold, correction.rollout_is
+            out |= rollout_is_metrics(old_lp, rollout_lp, sampled, threshold, level)
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
     for name, length, limit in (
-        ("response_length", mask.sum(-1).float(), config.data.max_response_length),
+        ("response_length", sampled.sum(-1).float(), config.data.max_response_length),
         ("prompt_length", prompt_length, config.data.max_prompt_length),
     ):
         mean_max_min(name, length, rows)

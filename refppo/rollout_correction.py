@@ -1,15 +1,26 @@
 """Rollout correction (ch 6.5): the sampler (vLLM in verl; refppo's own generate, with other
 kernels) and the trainer compute slightly different probabilities for the same tokens; truncated
 importance weights pi_old / pi_rollout correct the policy loss for it
-(``algorithm.rollout_correction.rollout_is``)."""
+(``algorithm.rollout_correction.rollout_is``), and rejection sampling drops the tokens or responses
+where the two diverge too far (``rollout_rs``)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from refppo.checks import check_choice, check_flag, check_number, check_same_shape, check_values, checks_once
+from refppo.functional import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp, so every weight stays finite
+# verl 0.9's rejection criteria: a divergence estimator (k1, k2, k3) per token, or its sum, mean or
+# maximum over a response
+RS_OPTIONS = (
+    *(f"{level}_{k}" for level in ("token", "seq_sum", "seq_mean") for k in ("k1", "k2", "k3")),
+    "seq_max_k2",
+    "seq_max_k3",
+)
 
 
 @checks_once
@@ -63,3 +74,105 @@ def compute_rollout_is_weights(
             mean = (per_row * rows).sum() / rows.sum().clamp(min=1e-8)
         weights = torch.where(mean > 1e-8, weights / mean, weights)
     return weights.detach()
+
+
+def rs_thresholds(rollout_rs: str, threshold: str | float | None) -> dict[str, tuple[float | None, float]]:
+    """verl's reading of ``rollout_rs`` and ``rollout_rs_threshold``: comma-separated options (a
+    repeat counted once), and one threshold for all of them or one per option. A k1 option takes
+    ratio bounds ``lower_upper`` (one number u means 1/u_u); the others one upper bound.
+
+    Args:
+        rollout_rs: e.g. ``"token_k1,seq_mean_k3"``, each of :data:`RS_OPTIONS`.
+        threshold: e.g. ``2.0``, ``"0.5_2.0"`` or ``"0.5_2.0,0.01"``.
+
+    Returns:
+        option -> (lower bound or None, upper bound), all > 0.
+
+    Raises:
+        ValueError: an unknown option, a missing or malformed threshold, or bounds not 0 < lower <= upper.
+    """
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
+    if not options or any(o not in RS_OPTIONS for o in options):
+        raise ValueError(f"rollout_rs={rollout_rs}: each option must be one of {', '.join(RS_OPTIONS)}")
+    specs = [t.strip() for t in str(threshold).split(",") if t.strip()] if threshold is not None else []
+    if len(specs) not in (1, len(options)):
+        raise ValueError(
+            f"rollout_rs_threshold={threshold}: one threshold for all {len(options)} rollout_rs options, or one each"
+            if threshold is not None
+            else "rollout_rs needs rollout_rs_threshold"
+        )
+    out = {}
+    for option, spec in zip(options, specs * len(options) if len(specs) == 1 else specs):
+        try:
+            bounds = [float(x) for x in spec.split("_")]
+        except ValueError:
+            raise ValueError(f"rollout_rs_threshold: {spec!r} for {option} is not a number") from None
+        if option.endswith("k1"):
+            lower, upper = bounds if len(bounds) == 2 else (1.0 / bounds[0], bounds[0])
+        elif len(bounds) == 1:
+            lower, upper = None, bounds[0]
+        else:
+            raise ValueError(f"rollout_rs_threshold: {option} takes one upper bound, not {spec!r}")
+        if not (len(bounds) <= 2 and upper > 0 and (lower is None or 0 < lower <= upper)):
+            raise ValueError(f"rollout_rs_threshold: {spec!r} for {option} must be positive bounds, lower <= upper")
+        out[option] = (lower, upper)
+    return out
+
+
+@checks_once
+def compute_rollout_rs_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_rs: str,
+    threshold: str | float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Rejection sampling of tokens or responses whose probabilities under the trainer and the
+    sampler diverge (verl 0.9's ``compute_rollout_rejection_mask``). With the log-ratio
+    l = clamp(log pi_old - log pi_rollout, -20, 20), the estimators are k1 = -l, k2 = l^2 / 2 and
+    k3 = exp(l) - 1 - l. A ``token_`` option tests each token; a ``seq_sum_``, ``seq_mean_``
+    (verl's, with its 1e-8) or ``seq_max_`` option tests a response's masked sum, mean or maximum
+    and keeps or drops all its tokens. k1 keeps log(lower) <= k1 <= log(upper), the others
+    k <= upper. A token is kept when every option keeps it.
+
+    Args:
+        old_log_prob, rollout_log_prob: (batch, T) log pi_old and log pi_rollout of the sampled tokens.
+        response_mask: (batch, T) 0/1.
+        rollout_rs, threshold: as :func:`rs_thresholds`.
+
+    Returns:
+        (mask (batch, T), the response mask with the rejected tokens 0; metrics as verl names them
+        under ``rollout_corr/``: ``rollout_rs_masked_fraction`` (of the valid tokens),
+        ``rollout_rs_seq_masked_fraction`` (of the rows) and, per option,
+        ``rollout_rs_<option>_masked_fraction`` and ``_seq_masked_fraction`` (of the responses with tokens)).
+    """
+    bounds = rs_thresholds(rollout_rs, threshold)
+    check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
+    check_values(
+        masks={"response_mask": response_mask},
+        finite={"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob},
+        where=response_mask,
+    )
+    log_ratio = (old_log_prob - rollout_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    estimators = {"k1": -log_ratio, "k2": 0.5 * log_ratio**2, "k3": torch.exp(log_ratio) - 1.0 - log_ratio}
+    valid, rows = response_mask.bool(), response_mask.sum(-1) > 0
+    keep, metrics = torch.ones_like(valid), {}
+    for option, (lower, upper) in bounds.items():
+        level, k = option.rsplit("_", 1)
+        stat = estimators[k]
+        if level == "seq_sum":
+            stat = masked_sum(stat, response_mask, axis=-1)[:, None]
+        elif level == "seq_mean":
+            stat = masked_mean(stat, response_mask, axis=-1)[:, None]
+        elif level == "seq_max":
+            stat = stat.masked_fill(~valid, -math.inf).max(dim=-1, keepdim=True).values
+        kept = (stat >= math.log(lower)) & (stat <= math.log(upper)) if k == "k1" else stat <= upper
+        kept = kept.expand_as(valid)
+        keep &= kept
+        dropped = (~kept & valid).any(-1)
+        name = f"rollout_corr/rollout_rs_{option}"
+        metrics[f"{name}_masked_fraction"] = masked_mean((~kept).to(log_ratio.dtype), response_mask)
+        metrics[f"{name}_seq_masked_fraction"] = (dropped & rows).sum() / rows.sum().clamp(min=1)
+    metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean((~keep).to(log_ratio.dtype), response_mask)
+    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = (~keep & valid).any(-1).float().mean()
+    return (response_mask * keep).to(response_mask.dtype), {k: v.detach() for k, v in metrics.items()}

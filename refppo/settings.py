@@ -11,6 +11,7 @@ from refppo.checks import in_range
 from refppo.config import Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.declare import Declaration, Site
 from refppo.losses import POLICY_LOSSES
+from refppo.rollout_correction import rs_thresholds
 from refppo.tasks import arithmetic
 
 
@@ -187,7 +188,7 @@ def _check_tiny_model(m) -> None:
 
 
 def _check_dapo_and_validation(config: Config) -> None:
-    """DAPO's settings (dynamic sampling, overlong shaping) and validation sampling."""
+    """DAPO's settings (dynamic sampling, overlong shaping), rejection sampling and validation sampling."""
     d, r, alg, t, rm = config.data, config.rollout, config.algorithm, config.trainer, config.reward_model
     fg, buffer = alg.filter_groups, rm.overlong_buffer
     _require(
@@ -206,6 +207,11 @@ def _check_dapo_and_validation(config: Config) -> None:
         f"reward_model.overlong_buffer.len={buffer.len} must be in (0, {longest}] (reward_model.max_resp_len, "
         "null: data.max_response_length): the penalty slopes over the last len tokens",
     )
+    if alg.rollout_correction.rollout_rs is not None:
+        try:
+            rs_thresholds(alg.rollout_correction.rollout_rs, alg.rollout_correction.rollout_rs_threshold)
+        except ValueError as error:
+            raise ValueError(f"algorithm.rollout_correction.{error}") from None
     kw = r.val_kwargs
     _require(
         not (t.test_freq > 0 and kw.do_sample and kw.temperature == 0),

@@ -53,7 +53,7 @@ from refppo.prompts import decode_texts, tokenize_records
 from refppo.registry import call_declared
 from refppo.reward_fns import RewardFn, check_scores, describe
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, overlong_shaped, place_score_on_last_token
-from refppo.rollout_correction import compute_rollout_is_weights
+from refppo.rollout_correction import compute_rollout_is_weights, compute_rollout_rs_mask
 from refppo.runs import STATE_FILE, load_models, save_models
 from refppo.update import minibatch_updates
 
@@ -231,23 +231,23 @@ class PPOTrainer:
         return stats
 
     def _rewards_and_advantages(self, batch: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Token-level scores and rewards (KL in the reward), then the advantage estimator."""
-        c, mask = self.config, batch["response_mask"]
-        stats = {}
+        """Token-level scores and rewards (KL in the reward), rejection sampling, then the advantage estimator."""
+        c, mask, stats = self.config, batch["response_mask"], {}
         batch["token_level_scores"] = place_score_on_last_token(scores, mask)
         batch["token_level_rewards"] = batch["token_level_scores"]
         if c.algorithm.use_kl_in_reward:
-            beta = self.kl_ctrl.value
-            batch["token_level_rewards"], current_kl = apply_kl_penalty(
-                batch["token_level_scores"],
-                batch["old_log_probs"],
-                batch["ref_log_prob"],
-                mask,
-                beta,
-                c.algorithm.kl_penalty,
+            beta, old, ref = self.kl_ctrl.value, batch["old_log_probs"], batch["ref_log_prob"]
+            rewards, current_kl = apply_kl_penalty(
+                batch["token_level_scores"], old, ref, mask, beta, c.algorithm.kl_penalty
             )
+            batch["token_level_rewards"] = rewards
             self.kl_ctrl.update(float(current_kl), n_steps=mask.shape[0])
             stats = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": torch.tensor(beta)}
+        rs = c.algorithm.rollout_correction  # verl rejects after the KL in the reward, before the advantages
+        if rs.rollout_rs is not None and not rs.bypass_mode:
+            old, sampled, threshold = batch["old_log_probs"], batch["rollout_log_probs"], rs.rollout_rs_threshold
+            batch["response_mask"], rejected = compute_rollout_rs_mask(old, sampled, mask, rs.rollout_rs, threshold)
+            stats |= rejected
         name = c.algorithm.adv_estimator
         estimator = self.accel.adv_estimators.get(name) or ADV_ESTIMATORS.get(name)
         batch["advantages"], batch["returns"] = call_declared(

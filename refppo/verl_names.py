@@ -105,7 +105,6 @@ ENGINE = (
 # note) and what is missing.
 MISSING = {
     "algorithm.use_pf_ppo": ("false", "preference-feedback PPO's reweighting"),
-    "algorithm.rollout_correction.rollout_rs": ("null", "rejection sampling of off-policy responses"),
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode's REINFORCE loss"),
     "actor_rollout_ref.rollout.do_sample": ("true", "greedy rollouts"),
     "actor_rollout_ref.rollout.over_sample_rate": ("0", "over-sampling with early stopping"),

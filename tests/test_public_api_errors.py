@@ -185,6 +185,10 @@ GOOD = {
     "overlong_shaped": lambda: dict(
         scores=_x()[:, 0], response_mask=_mask(), max_response_length=4, buffer_len=2, penalty_factor=1.0, log=True
     ),
+    "rs_thresholds": lambda: dict(rollout_rs="token_k1", threshold=2.0),
+    "compute_rollout_rs_mask": lambda: dict(
+        old_log_prob=_lp(2), rollout_log_prob=_lp(3), response_mask=_mask(), rollout_rs="token_k1", threshold=2.0
+    ),
     "apply_kl_penalty": lambda: dict(
         token_level_scores=_x(1),
         old_log_probs=_lp(2),

@@ -82,3 +82,131 @@ def test_rollout_is_weights_refuse_an_unknown_level():
     old = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="rollout_is level 'tokens'"):
         compute_rollout_is_weights(old, old, torch.ones(1, 2), 2.0, "tokens")
+
+
+def _plain_rs(old, rollout, mask, bounds):
+    """verl 0.9's compute_rollout_rejection_mask, row by row in float64 Python: the kept-token mask
+    and the token / row fractions it reports."""
+    keep_rows, per_option = [], {}
+    for name in bounds:
+        per_option[name] = []
+    for o, r, m in zip(old.tolist(), rollout.tolist(), mask.tolist()):
+        lr = [max(-20.0, min(20.0, a - b)) for a, b in zip(o, r)]
+        est = {"k1": [-x for x in lr], "k2": [0.5 * x * x for x in lr], "k3": [math.exp(x) - 1 - x for x in lr]}
+        keep = [True] * len(o)
+        for name, (lower, upper) in bounds.items():
+            level, k = name.rsplit("_", 1)
+            valid = [e for e, v in zip(est[k], m) if v]
+            if level == "token":
+                stats = est[k]
+            else:
+                if level == "seq_sum":
+                    one = sum(valid)
+                elif level == "seq_mean":
+                    one = sum(valid) / (len(valid) + 1e-8)
+                else:
+                    one = max(valid) if valid else 0.0
+                stats = [one] * len(o)
+            ok = [(math.log(lower) <= x <= math.log(upper)) if k == "k1" else x <= upper for x in stats]
+            per_option[name].append(ok)
+            keep = [a and b for a, b in zip(keep, ok)]
+        keep_rows.append(keep)
+    return keep_rows, per_option
+
+
+@pytest.mark.parametrize(
+    "rollout_rs, threshold",
+    [
+        ("token_k1", "0.5_1.5"),
+        ("token_k1", 1.5),  # one number u: the ratio bounds 1/u and u
+        ("token_k2,token_k3", 0.3),
+        ("seq_sum_k1,seq_sum_k2,seq_sum_k3", "0.2_3.0,0.8,0.5"),
+        ("seq_mean_k1,seq_mean_k2,seq_mean_k3", "0.6_1.6,0.3,0.3"),
+        ("seq_max_k2,seq_max_k3,token_k1", "0.4,0.4,0.3_3"),
+    ],
+)
+def test_rollout_rejection_equals_verls(rollout_rs, threshold):
+    from refppo.rollout_correction import compute_rollout_rs_mask, rs_thresholds
+
+    gen = torch.Generator().manual_seed(len(rollout_rs))
+    old = torch.randn(6, 7, generator=gen, dtype=torch.float64) - 2
+    rollout = old + 0.7 * torch.randn(6, 7, generator=gen, dtype=torch.float64)
+    rollout[0, 0] = old[0, 0] - 50  # beyond the +-20 clamp
+    mask = (torch.arange(7)[None, :] < torch.tensor([[7], [5], [3], [1], [0], [6]])).double()  # an empty row
+    bounds = rs_thresholds(rollout_rs, threshold)
+    keep, per_option = _plain_rs(old, rollout, mask, bounds)
+    got, metrics = compute_rollout_rs_mask(old, rollout, mask, rollout_rs, threshold)
+    expected = mask * torch.tensor(keep, dtype=torch.float64)
+    assert torch.equal(got, expected) and 0 < got.sum() < mask.sum(), "some tokens kept, some rejected"
+    valid = mask.bool()
+    rows = [bool(v.any()) for v in valid]
+    for name, ok in per_option.items():
+        ok = torch.tensor(ok)
+        assert metrics[f"rollout_corr/rollout_rs_{name}_masked_fraction"] == pytest.approx(
+            float((~ok & valid).sum() / valid.sum())
+        )
+        dropped = [bool((~o & v).any()) for o, v in zip(ok, valid)]
+        assert metrics[f"rollout_corr/rollout_rs_{name}_seq_masked_fraction"] == pytest.approx(
+            sum(d and r for d, r in zip(dropped, rows)) / sum(rows)
+        )
+    kept = torch.tensor(keep)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
+        float((~kept & valid).sum() / valid.sum())
+    )
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(
+        float((~kept & valid).any(-1).float().mean())
+    )
+
+
+@pytest.mark.parametrize(
+    "rollout_rs, threshold, message",
+    [
+        ("token_k4", 2.0, "each option must be one of"),
+        ("token_k1", None, "rollout_rs needs rollout_rs_threshold"),
+        ("token_k1,token_k2", "2,3,4", "one threshold for all 2 rollout_rs options, or one each"),
+        ("token_k2", "0.5_2", "takes one upper bound"),
+        ("token_k1", "2_0.5", "lower <= upper"),
+        ("token_k1", 0.5, "lower <= upper"),  # 1/0.5 = 2 > 0.5
+        ("seq_mean_k3", "-1", "positive"),
+        ("token_k1", "a_b", "is not a number"),
+    ],
+)
+def test_rollout_rejection_thresholds_are_read_as_verl_reads_them(rollout_rs, threshold, message):
+    from refppo.rollout_correction import rs_thresholds
+
+    with pytest.raises(ValueError, match=message):
+        rs_thresholds(rollout_rs, threshold)
+
+
+def test_rejected_tokens_leave_the_advantages_and_the_update_only():
+    """As verl: the score and the KL in the reward see every sampled token, the advantages (and so
+    the losses, which read the same mask) only the kept ones, and the logged lengths count every
+    sampled token."""
+    from _trainers import make_trainer
+
+    rs = ["algorithm.rollout_correction.rollout_rs=token_k2", "algorithm.rollout_correction.rollout_rs_threshold=2e-7"]
+    kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.1"]
+    plain, rejecting = make_trainer(kl), make_trainer([*kl, *rs])
+    records = plain.sampler.next_batch()
+    a, _ = plain.make_experience(records, {})
+    batch = {k: v.clone() for k, v in a.items() if k not in ("advantages", "returns", "token_level_scores")}
+    gen = torch.Generator().manual_seed(0)  # a sampler that disagrees a little, token by token
+    batch["rollout_log_probs"] = batch["rollout_log_probs"] + 1e-3 * torch.randn(
+        batch["rollout_log_probs"].shape, generator=gen
+    )
+    sampled = a["response_mask"].clone()
+    scores = a["token_level_scores"].sum(-1)
+    stats = rejecting.evaluate(batch, scores, {}, {})
+    kept = batch["response_mask"]
+    assert 0 < kept.sum() < sampled.sum() and bool((kept <= sampled).all())
+    assert stats["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 - float(kept.sum() / sampled.sum()))
+    torch.testing.assert_close(batch["token_level_scores"], a["token_level_scores"])  # on the sampled last token
+    torch.testing.assert_close(batch["token_level_rewards"], a["token_level_rewards"])  # the KL on every token
+    from refppo.advantages import compute_gae_advantage_return
+
+    expected, _ = compute_gae_advantage_return(batch["token_level_rewards"], batch["values"], kept, 1.0, 1.0)
+    torch.testing.assert_close(batch["advantages"], expected)  # GAE and its whitening over the kept tokens
+    from refppo.metrics import data_metrics
+
+    logged = data_metrics(batch, rejecting.config, True)
+    assert float(logged["response_length/mean"]) == pytest.approx(float(sampled.sum(-1).float().mean()))

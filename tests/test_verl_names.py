@@ -129,7 +129,7 @@ def test_engine_settings_are_noted_and_change_nothing():
     "override, message",
     [
         ("data.gen_batch_size=512", "refppo does not implement a generation batch other than"),
-        ("algorithm.rollout_correction.rollout_rs=seq_mean_k1", "rejection sampling"),
+        ("algorithm.rollout_correction.loss_type=reinforce", "bypass mode's REINFORCE loss"),
         ("algorithm.use_pf_ppo=true", "preference-feedback PPO"),
         ("trainer.resume_mode=resume_path", "refppo takes auto or disable"),
         ("actor.policy_mode=bypass", "actor.policy_mode is now algorithm.rollout_correction.bypass_mode=true"),
