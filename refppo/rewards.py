@@ -1,5 +1,6 @@
 """Token-level rewards (ch 5, 6): where the sequence score goes, reward clipping, the KL
-penalty in the reward, and a penalty for responses that never emitted EOS.
+penalty in the reward, a penalty for responses that never emitted EOS, and DAPO's soft
+punishment of responses near the length limit.
 
 Shapes: scores (batch,), per-token tensors (batch, T), response-only.
 """
