@@ -39,7 +39,8 @@ def compute_rollout_is_weights(
     - ``sequence``: one weight per response, min(exp(clamp(sum_t (log pi_old - log pi_rollout),
       -20, 20)), threshold), on each of its tokens (the product of the token ratios);
     - ``batch_normalize``: then divided by their mean (over valid tokens for ``token``, over
-      responses for ``sequence``), unless that mean is at most 1e-8.
+      responses for ``sequence``, with verl's 1e-8 added to each count), unless that mean is at
+      most 1e-8.
 
     Args:
         old_log_prob: (batch, T) log pi_old of the sampled tokens, the trainer's recomputation.
@@ -65,11 +66,11 @@ def compute_rollout_is_weights(
     if level == "sequence":
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(response_mask)
     weights = (torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * response_mask).clamp(max=threshold)
-    if batch_normalize:
+    if batch_normalize:  # verl's means, with their 1e-8 in the denominators
         if level == "token":
-            mean = (weights * response_mask).sum() / response_mask.sum()
+            mean = masked_mean(weights, response_mask)
         else:  # each response's weight once (the mean over its tokens), over the responses with tokens
-            per_row = (weights * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+            per_row = masked_mean(weights, response_mask, axis=-1)
             rows = (response_mask.sum(-1) > 0).to(weights.dtype)
             mean = (per_row * rows).sum() / rows.sum().clamp(min=1e-8)
         weights = torch.where(mean > 1e-8, weights / mean, weights)

@@ -40,11 +40,13 @@ def _plain_weights(old, rollout, mask, threshold, level, normalize):
             raw = [math.exp(max(-20.0, min(20.0, total)))] * len(o)
         rows.append([min(w * k, threshold) for w, k in zip(raw, m)])
     if normalize:
-        if level == "token":
+        if level == "token":  # verl's masked means divide by the count plus 1e-8
             valid = [w for row, mr in zip(rows, mask.tolist()) for w, k in zip(row, mr) if k]
+            mean = sum(valid) / (len(valid) + 1e-8)
         else:
-            valid = [sum(w * k for w, k in zip(row, mr)) / sum(mr) for row, mr in zip(rows, mask.tolist()) if sum(mr)]
-        mean = sum(valid) / len(valid)
+            per_row = [sum(w * k for w, k in zip(row, mr)) / (sum(mr) + 1e-8) for row, mr in zip(rows, mask.tolist())]
+            valid = [w for w, mr in zip(per_row, mask.tolist()) if sum(mr)]
+            mean = sum(valid) / len(valid)
         if mean > 1e-8:
             rows = [[w / mean for w in row] for row in rows]
     return torch.tensor(rows, dtype=torch.float64)
