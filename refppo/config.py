@@ -319,7 +319,8 @@ class RolloutCorrectionConfig:
     # null: no weights. In bypass mode the PPO ratio is already against the sampler, so verl
     # computes the weights there for its metrics only: refppo refuses them.
     rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS, needs=OLD_LOG_PROB_PASS)
-    rollout_is_threshold: float = setting(2.0, "(0, inf]", needs=IS_WEIGHTS)  # the weights' truncation
+    # the weights' truncation C, or "lower_upper": IcePop's bounds outside which a weight is 0
+    rollout_is_threshold: float | str = setting(2.0, "(0, inf]", needs=IS_WEIGHTS)
     rollout_is_batch_normalize: bool = setting(False, needs=IS_WEIGHTS)  # divide by their batch mean
     # rejection sampling: comma-separated criteria (refppo.rollout_correction.RS_OPTIONS) and their
     # bounds, one for all or one each ("0.5_2.0" bounds a k1 ratio; the others take an upper bound)

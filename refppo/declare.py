@@ -5,6 +5,7 @@ their dotted keys (``actor.optim.lr``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -120,12 +121,19 @@ def leaf_keys(config, prefix: str = "") -> list[str]:
 
 
 def _parse(text: str, hint, key: str):
-    """Convert override text to the field's type (bool, int, float, str, their Optional, tuples)."""
+    """Convert override text to the field's type (bool, int, float, str, their Optional, tuples; a
+    union such as ``float | str`` takes the first type the text reads as)."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if text.lower() in ("null", "none"):
+        if text.lower() in ("null", "none") and type(None) in args:
             return None
-        hint = next(a for a in args if a is not type(None))
+        options = [a for a in args if a is not type(None)]
+        for option in options[:-1]:  # float | str: the first type the text reads as
+            if "_" in text and option in (int, float):
+                continue  # Python reads "2_0.5" as 20.5: an underscore makes it the text
+            with contextlib.suppress(ValueError):
+                return _parse(text, option, key)
+        hint = options[-1]
         args = typing.get_args(hint)
     try:
         if hint is bool:

@@ -15,7 +15,7 @@ import torch
 from refppo.checks import check_same_shape, check_values
 from refppo.config import Config
 from refppo.functional import masked_mean, masked_var
-from refppo.rollout_correction import compute_rollout_is_weights
+from refppo.rollout_correction import compute_rollout_is_weights, is_bounds
 
 
 def masked_max_min(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +115,8 @@ def rollout_is_metrics(
 
     Args:
         old_log_prob, rollout_log_prob, response_mask: (batch, T), as :func:`offpolicy_metrics`.
-        threshold: the truncation C (the low bound of the fractions is 1 / C).
+        threshold: the truncation C (the low bound of the fractions is 1 / C), or IcePop's
+            ``"lower_upper"`` (the fractions' bounds; ``rollout_is_oob_ratio`` is added).
         level: "token" or "sequence", as :func:`refppo.rollout_correction.compute_rollout_is_weights`.
 
     Returns:
@@ -125,13 +126,14 @@ def rollout_is_metrics(
         per sequence (each one's mean weight) ``_seq_mean``, ``_seq_std``, ``_seq_max``, ``_seq_min``,
         ``_seq_max_deviation`` (from 1), ``_seq_fraction_high`` and ``_low``.
     """
-    mask = response_mask
+    mask, (lower, upper) = response_mask, is_bounds(threshold)
+    bottom = 1 / upper if lower is None else lower  # the low fractions' bound: 1 / C for TIS
     weights = compute_rollout_is_weights(old_log_prob, rollout_log_prob, mask, threshold, level)
     log_ratio = (old_log_prob - rollout_log_prob) * mask
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True)
     raw = torch.exp(log_ratio.clamp(-20.0, 20.0)).expand_as(mask) * mask
-    high, low = torch.log(torch.tensor(threshold, dtype=log_ratio.dtype)), -torch.log(torch.tensor(threshold))
+    high, low = torch.log(torch.tensor(upper, dtype=log_ratio.dtype)), torch.log(torch.tensor(bottom))
     out = {"rollout_is_mean": masked_mean(weights, mask)}
     if level == "sequence":
         out |= {
@@ -142,8 +144,8 @@ def rollout_is_metrics(
         }
     else:
         out |= {
-            "rollout_is_ratio_fraction_high": masked_mean((raw > threshold).float(), mask),
-            "rollout_is_ratio_fraction_low": masked_mean((raw < 1 / threshold).float(), mask),
+            "rollout_is_ratio_fraction_high": masked_mean((raw > upper).float(), mask),
+            "rollout_is_ratio_fraction_low": masked_mean((raw < bottom).float(), mask),
         }
         out["rollout_is_max"], out["rollout_is_min"] = masked_max_min(weights, mask)
     mean = masked_mean(weights, mask)
@@ -158,9 +160,11 @@ def rollout_is_metrics(
         "rollout_is_seq_max": seq.max(),
         "rollout_is_seq_min": seq.min(),
         "rollout_is_seq_max_deviation": (seq - 1.0).abs().max(),
-        "rollout_is_seq_fraction_high": (raw_seq > threshold).float().mean(),
-        "rollout_is_seq_fraction_low": (raw_seq < 1 / threshold).float().mean(),
+        "rollout_is_seq_fraction_high": (raw_seq > upper).float().mean(),
+        "rollout_is_seq_fraction_low": (raw_seq < bottom).float().mean(),
     }
+    if lower is not None:  # IcePop: the share of weights it zeroed
+        out["rollout_is_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).float(), mask)
     return {f"rollout_corr/{k}": v.detach() for k, v in out.items()}
 
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from refppo.checks import check_choice, check_flag, check_number, check_same_shape, check_values, checks_once
+from refppo.checks import check_choice, check_flag, check_same_shape, check_values, checks_once
 from refppo.functional import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp, so every weight stays finite
@@ -23,12 +23,35 @@ RS_OPTIONS = (
 )
 
 
+def is_bounds(threshold: float | str) -> tuple[float | None, float]:
+    """verl's reading of ``rollout_is_threshold``: a number u (or its text) truncates the weights at
+    u (TIS); ``"lower_upper"`` keeps the weights in [lower, upper] and zeroes the rest (IcePop).
+
+    Returns:
+        (lower or None, upper), with 0 < lower <= upper and upper > 0 (inf allowed for TIS).
+
+    Raises:
+        ValueError: anything else (a bool, a malformed text, bounds out of order).
+    """
+    parts = threshold.strip().split("_", 1) if isinstance(threshold, str) else [threshold]
+    try:
+        if isinstance(threshold, bool):
+            raise TypeError
+        bounds = [float(part) for part in parts]
+    except (TypeError, ValueError):
+        raise ValueError(f"threshold={threshold!r} must be a number or a 'lower_upper' text") from None
+    lower, upper = (None, bounds[0]) if len(bounds) == 1 else bounds
+    if not upper > 0 or (lower is not None and not (0 < lower <= upper < math.inf)):
+        raise ValueError(f"threshold={threshold!r}: bounds must be positive, lower <= upper (IcePop's finite)")
+    return lower, upper
+
+
 @checks_once
 def compute_rollout_is_weights(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    threshold: float,
+    threshold: float | str,
     level: str = "token",
     batch_normalize: bool = False,
 ) -> torch.Tensor:
@@ -38,6 +61,8 @@ def compute_rollout_is_weights(
     - ``token``: w_t = min(exp(clamp(log pi_old - log pi_rollout, -20, 20)), threshold);
     - ``sequence``: one weight per response, min(exp(clamp(sum_t (log pi_old - log pi_rollout),
       -20, 20)), threshold), on each of its tokens (the product of the token ratios);
+    - IcePop, a ``"lower_upper"`` threshold: the untruncated weight where it lies in
+      [lower, upper], else 0;
     - ``batch_normalize``: then divided by their mean (over valid tokens for ``token``, over
       responses for ``sequence``, with verl's 1e-8 added to each count), unless that mean is at
       most 1e-8.
@@ -46,14 +71,15 @@ def compute_rollout_is_weights(
         old_log_prob: (batch, T) log pi_old of the sampled tokens, the trainer's recomputation.
         rollout_log_prob: (batch, T) log pi_rollout of the same tokens, recorded by the sampler.
         response_mask: (batch, T) 0/1.
-        threshold: C > 0, the truncation (inf: none; the clamp keeps weights below exp(20)).
+        threshold: C > 0, the truncation (inf: none; the clamp keeps weights below exp(20)), or
+            ``"lower_upper"`` (:func:`is_bounds`).
         level: "token" or "sequence".
         batch_normalize: divide the weights by their batch mean.
 
     Returns:
         (batch, T) weights, no gradient.
     """
-    check_number("threshold", threshold, "(0, inf]")
+    lower, upper = is_bounds(threshold)
     check_choice("rollout_is level", level, ("token", "sequence"))
     check_flag("batch_normalize", batch_normalize)
     check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
@@ -65,7 +91,11 @@ def compute_rollout_is_weights(
     log_ratio = (old_log_prob - rollout_log_prob) * response_mask
     if level == "sequence":
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(response_mask)
-    weights = (torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * response_mask).clamp(max=threshold)
+    raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * response_mask
+    if lower is None:
+        weights = raw.clamp(max=upper)
+    else:
+        weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
     if batch_normalize:  # verl's means, with their 1e-8 in the denominators
         if level == "token":
             mean = masked_mean(weights, response_mask)

@@ -11,7 +11,7 @@ from refppo.checks import in_range
 from refppo.config import Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.declare import Declaration, Site
 from refppo.losses import POLICY_LOSSES
-from refppo.rollout_correction import rs_thresholds
+from refppo.rollout_correction import is_bounds, rs_thresholds
 from refppo.tasks import arithmetic
 
 
@@ -105,6 +105,8 @@ def _check_values(config: Config) -> None:
                 _require(item in names, f"{key}={item!r} is not one of {', '.join(names)}")
         elif isinstance(d.valid, str):
             for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, str):
+                    continue  # a number's text form (IcePop's "lower_upper") is read by its own parser
                 null = " (or null)" if is_optional(config, key) else ""
                 _require(in_range(item, d.valid), f"{key}={item} is outside its valid range {d.valid}{null}")
 
@@ -207,6 +209,11 @@ def _check_dapo_and_validation(config: Config) -> None:
         f"reward_model.overlong_buffer.len={buffer.len} must be in (0, {longest}] (reward_model.max_resp_len, "
         "null: data.max_response_length): the penalty slopes over the last len tokens",
     )
+    if alg.rollout_correction.rollout_is is not None:
+        try:
+            is_bounds(alg.rollout_correction.rollout_is_threshold)
+        except ValueError as error:
+            raise ValueError(f"algorithm.rollout_correction.rollout_is_{error}") from None
     if alg.rollout_correction.rollout_rs is not None:
         try:
             rs_thresholds(alg.rollout_correction.rollout_rs, alg.rollout_correction.rollout_rs_threshold)

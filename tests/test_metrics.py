@@ -86,9 +86,10 @@ def test_offpolicy_metrics_are_verls(seed):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("threshold", [1.2, 2.0])
+@pytest.mark.parametrize("threshold", [1.2, 2.0, "0.8_1.3", "0.5_1.1"])
 def test_rollout_is_metrics_are_verls(level, threshold):
-    """verl 0.9's compute_is_metrics, written plainly over Python lists in float64."""
+    """verl 0.9's compute_is_metrics, written plainly over Python lists in float64: truncated
+    weights (TIS), or IcePop's ("lower_upper") zeroed outside the bounds, with its oob ratio."""
     old, rollout, mask = _offpolicy_inputs(7)
     rows = [
         [o - r for o, r, k in zip(ro, rr, rm) if k] for ro, rr, rm in zip(old.tolist(), rollout.tolist(), mask.tolist())
@@ -97,7 +98,12 @@ def test_rollout_is_metrics_are_verls(level, threshold):
         raw = [[math.exp(x) for x in row] for row in rows]
     else:
         raw = [[math.exp(sum(row))] * len(row) for row in rows]
-    w = [[min(x, threshold) for x in row] for row in raw]
+    lower, upper = map(float, threshold.split("_")) if isinstance(threshold, str) else (None, threshold)
+    bottom = 1 / upper if lower is None else lower
+    if lower is None:
+        w = [[min(x, upper) for x in row] for row in raw]
+    else:
+        w = [[x if lower <= x <= upper else 0.0 for x in row] for row in raw]
     flat, raw_flat = [x for row in w for x in row], [x for row in raw for x in row]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     m = mean(flat)
@@ -112,23 +118,25 @@ def test_rollout_is_metrics_are_verls(level, threshold):
         "rollout_is_seq_max": max(seq),
         "rollout_is_seq_min": min(seq),
         "rollout_is_seq_max_deviation": max(abs(x - 1) for x in seq),
-        "rollout_is_seq_fraction_high": mean([float(x > threshold) for x in raw_seq]),
-        "rollout_is_seq_fraction_low": mean([float(x < 1 / threshold) for x in raw_seq]),
+        "rollout_is_seq_fraction_high": mean([float(x > upper) for x in raw_seq]),
+        "rollout_is_seq_fraction_low": mean([float(x < bottom) for x in raw_seq]),
     }
+    if lower is not None:
+        want["rollout_is_oob_ratio"] = mean([float(x < lower or x > upper) for x in raw_flat])
     if level == "token":
         want |= {
             "rollout_is_max": max(flat),
             "rollout_is_min": min(flat),
-            "rollout_is_ratio_fraction_high": mean([float(x > threshold) for x in raw_flat]),
-            "rollout_is_ratio_fraction_low": mean([float(x < 1 / threshold) for x in raw_flat]),
+            "rollout_is_ratio_fraction_high": mean([float(x > upper) for x in raw_flat]),
+            "rollout_is_ratio_fraction_low": mean([float(x < bottom) for x in raw_flat]),
         }
     else:
         sums = [sum(row) for row in rows]
         want |= {
             "rollout_is_max": math.exp(max(sums)),
             "rollout_is_min": math.exp(min(sums)),
-            "rollout_is_ratio_fraction_high": mean([float(x > math.log(threshold)) for x in sums]),
-            "rollout_is_ratio_fraction_low": mean([float(x < -math.log(threshold)) for x in sums]),
+            "rollout_is_ratio_fraction_high": mean([float(x > math.log(upper)) for x in sums]),
+            "rollout_is_ratio_fraction_low": mean([float(x < math.log(bottom)) for x in sums]),
         }
     got = rollout_is_metrics(old, rollout, mask, threshold, level)
     assert set(got) == {f"rollout_corr/{k}" for k in want}

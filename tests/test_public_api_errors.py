@@ -186,6 +186,7 @@ GOOD = {
         scores=_x()[:, 0], response_mask=_mask(), max_response_length=4, buffer_len=2, penalty_factor=1.0, log=True
     ),
     "rs_thresholds": lambda: dict(rollout_rs="token_k1", threshold=2.0),
+    "is_bounds": lambda: dict(threshold=2.0),
     "compute_rollout_rs_mask": lambda: dict(
         old_log_prob=_lp(2), rollout_log_prob=_lp(3), response_mask=_mask(), rollout_rs="token_k1", threshold=2.0
     ),
@@ -214,6 +215,10 @@ VALID = {
     ("PPOPaperKLController.update", "current_kl", "-1"),
     # no truncation at all
     ("compute_rollout_is_weights", "threshold", "inf"),
+    # verl's thresholds may be texts: "0.1" is a truncation at 0.1
+    ("compute_rollout_is_weights", "threshold", "a string"),
+    ("is_bounds", "threshold", "a string"),
+    ("is_bounds", "threshold", "inf"),
     # None turns the option off
     *(
         (f, "loss_scale_factor", "None")

@@ -25,7 +25,7 @@ def test_rollout_is_weights_equal_verls_truncated_ratios(threshold):
         w = compute_rollout_is_weights(old.to(dtype), rollout.to(dtype), mask.to(dtype), threshold)
         assert w.dtype == dtype and bool(torch.isfinite(w).all())
         torch.testing.assert_close(w.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match=r"threshold must be in \(0, inf\]"):
+    with pytest.raises(ValueError, match=r"threshold=0.0: bounds must be positive"):
         compute_rollout_is_weights(old, rollout, mask, 0.0)
 
 
@@ -212,3 +212,59 @@ def test_rejected_tokens_leave_the_advantages_and_the_update_only():
 
     logged = data_metrics(batch, rejecting.config, True)
     assert float(logged["response_length/mean"]) == pytest.approx(float(sampled.sum(-1).float().mean()))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_icepop_keeps_the_weights_inside_its_bounds_and_zeroes_the_rest(level, normalize):
+    """verl's IcePop ("lower_upper"): the untruncated weight where lower <= w <= upper, else 0,
+    then the same batch normalisation as TIS."""
+    from refppo.rollout_correction import is_bounds
+
+    gen = torch.Generator().manual_seed(5)
+    old = torch.randn(5, 6, generator=gen, dtype=torch.float64) * 0.3
+    rollout = old + torch.randn(5, 6, generator=gen, dtype=torch.float64) * 0.3
+    mask = (torch.arange(6)[None, :] < torch.tensor([[6], [4], [0], [2], [5]])).double()
+    lower, upper = is_bounds("0.8_1.25")
+    raw = _plain_weights(old, rollout, mask, math.inf, level, False)
+    kept = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    if normalize:
+        if level == "token":
+            mean = (kept * mask).sum() / (mask.sum() + 1e-8)
+        else:
+            rows = mask.sum(-1) > 0
+            mean = ((kept * mask).sum(-1) / (mask.sum(-1) + 1e-8))[rows].mean()
+        kept = kept / mean
+    got = compute_rollout_is_weights(old, rollout, mask, "0.8_1.25", level, normalize)
+    torch.testing.assert_close(got, kept, rtol=1e-12, atol=0)
+    assert bool(((raw < lower) | (raw > upper))[mask.bool()].any()) and bool((got[mask.bool()] > 0).any())
+
+
+@pytest.mark.parametrize(
+    "threshold, bounds",
+    [(2.0, (None, 2.0)), ("2.0", (None, 2.0)), ("0.5_2", (0.5, 2.0)), (math.inf, (None, math.inf))],
+)
+def test_is_bounds_read_as_verl_reads_them(threshold, bounds):
+    from refppo.rollout_correction import is_bounds
+
+    assert is_bounds(threshold) == bounds
+
+
+@pytest.mark.parametrize("threshold", [0.0, -1.0, math.nan, "a", "2_0.5", "0_1", "0.5_inf", True, None])
+def test_is_bounds_refuse_what_verl_refuses(threshold):
+    from refppo.rollout_correction import is_bounds
+
+    with pytest.raises(ValueError, match="threshold"):
+        is_bounds(threshold)
+
+
+def test_an_icepop_text_is_never_read_as_a_number():
+    """Python reads "0.5_2" as 0.52: the setting keeps the text, which verl reads as IcePop's bounds."""
+    from refppo.config import Config, apply_overrides
+    from refppo.settings import validate
+
+    on = ["algorithm.rollout_correction.rollout_is=token"]
+    config = validate(apply_overrides(Config(), [*on, "algorithm.rollout_correction.rollout_is_threshold=0.5_2"]))
+    assert config.algorithm.rollout_correction.rollout_is_threshold == "0.5_2"
+    with pytest.raises(ValueError, match="rollout_is_threshold='2_0.5': bounds must be positive, lower <= upper"):
+        validate(apply_overrides(Config(), [*on, "algorithm.rollout_correction.rollout_is_threshold=2_0.5"]))
