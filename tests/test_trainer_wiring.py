@@ -581,8 +581,8 @@ def test_rollout_probs_diff_is_verls_debug_metric(mode):
     # a sampler that disagrees with the trainer (as at a wrong temperature), and padding that
     # holds other numbers (two responses made one token shorter)
     b["old_log_probs"] = (b["rollout_log_probs"] + 0.5 * torch.randn_like(b["rollout_log_probs"])).clamp(max=0)
-    b["response_mask"] = b["response_mask"].clone()
-    b["response_mask"][:2, -1] = 0
+    b["response_mask"], b["attention_mask"] = b["response_mask"].clone(), b["attention_mask"].clone()
+    b["response_mask"][:2, -1] = b["attention_mask"][:2, -1] = 0  # the sampled tokens, as generate records them
     mask = b["response_mask"].bool()
     b["rollout_log_probs"] = b["rollout_log_probs"].clone()
     b["old_log_probs"][:2, -1], b["rollout_log_probs"][:2, -1] = 0.0, -30.0  # the largest diff, in padding
