@@ -160,6 +160,16 @@ def all_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
     return out
 
 
+def pad_width(tensor: torch.Tensor, width: int, pad_value=0, pad_left: bool = False) -> torch.Tensor:
+    """``tensor`` (rows, w, ...) padded on its second dimension to (rows, width, ...) with
+    ``pad_value``, on the right (or the left); a 1-D tensor, or one already that wide, as it is."""
+    missing = width - tensor.shape[1] if tensor.dim() >= 2 else 0
+    if not missing:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - 2) + ([missing, 0] if pad_left else [0, missing])
+    return torch.nn.functional.pad(tensor, pad, value=pad_value)
+
+
 def gather_rows(tensor: torch.Tensor, world: World, pad_value=0, pad_left: bool = False) -> torch.Tensor:
     """Every process's rows of ``tensor``, in rank order: (sum of rows, ...). A second dimension
     that differs between processes (a response or prompt width) is padded first to the widest,
@@ -174,10 +184,7 @@ def gather_rows(tensor: torch.Tensor, world: World, pad_value=0, pad_left: bool 
     if tensor.dim() >= 2:
         width = torch.tensor([tensor.shape[1]], device=tensor.device)
         dist.all_reduce(width, op=dist.ReduceOp.MAX)
-        missing = int(width) - tensor.shape[1]
-        if missing:
-            pad = [0, 0] * (tensor.dim() - 2) + ([missing, 0] if pad_left else [0, missing])
-            tensor = torch.nn.functional.pad(tensor, pad, value=pad_value)
+        tensor = pad_width(tensor, int(width), pad_value, pad_left)
     flag = tensor.dtype == torch.bool  # gloo gathers no booleans
     tensor = tensor.to(torch.uint8) if flag else tensor
     parts = [torch.empty_like(tensor) for _ in range(world.size)]

@@ -15,6 +15,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
+from refppo.distributed import pad_width
 from refppo.prompts import sequence_batch
 
 SCORE, EXTRA = "_score", "_extra/"  # the scores travel in the batch while it is cut and joined
@@ -40,15 +41,6 @@ def varied_groups(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return keep
 
 
-def _padded(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-    """(rows, w, ...) padded on dimension 1 to ``width`` (1-D tensors as they are)."""
-    if tensor.dim() < 2 or tensor.shape[1] == width:
-        return tensor
-    missing = width - tensor.shape[1]
-    pad = [0, 0] * (tensor.dim() - 2) + ([missing, 0] if left else [0, missing])
-    return torch.nn.functional.pad(tensor, pad, value=value)
-
-
 def join_batches(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Rollout batches with the same keys as one: prompts left-padded to the widest, responses and
     the other per-token tensors right-padded (with pad ids and 0), the sequence tensors rebuilt.
@@ -64,7 +56,7 @@ def join_batches(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dic
     length = max(p["responses"].shape[1] for p in parts)
 
     def joined(get, size, value, left=False):
-        return torch.cat([_padded(get(p), size, value, left) for p in parts])
+        return torch.cat([pad_width(get(p), size, value, left) for p in parts])
 
     prompts = joined(lambda p: p["prompts"], width, pad_token_id, left=True)
     prompt_mask = joined(lambda p: p["attention_mask"][:, : p["prompts"].shape[1]], width, 0, left=True)
