@@ -145,11 +145,11 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
     c, world, answer_fn = trainer.config, trainer.world, trainer.answer_fn
     kw, keep = c.rollout.val_kwargs, c.trainer.log_val_generations
     out, (records, first, count) = {}, distributed.padded_share(trainer.val_records, world)
-    want_texts = answer_fn is not None or keep > 0
-    passes = {}
+    # texts only where they are read: the val_kwargs pass, which is the greedy one without do_sample
+    want_texts, passes = answer_fn is not None or keep > 0, {}
     for suffix, do_sample in (("", False), ("_sampled", True)):
         batch = trainer.generate(records, n=1, do_sample=do_sample, first_row=first, stream=1)
-        passes[suffix] = _gathered(trainer, batch, records, count, want_texts and not kw.do_sample)
+        passes[suffix] = _gathered(trainer, batch, records, count, want_texts and not (do_sample or kw.do_sample))
         lengths = batch["response_mask"].sum(-1).float()
         out[f"val/response_length{suffix}"] = float(distributed.gather_rows(lengths, world)[:count].mean())
         out |= {f"val/{name}{suffix}": float(values.mean()) for name, values in passes[suffix][0].items()}
