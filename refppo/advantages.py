@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE (ch 4), GRPO and RLOO (ch 6), and a registry by name.
+"""Advantage estimators: GAE (ch 4), GRPO and RLOO (ch 6), verl's others, and a registry by name.
 
 All tensors are response-only, shape ``(batch, response_len)``; see design section 3.
 """
@@ -14,6 +14,7 @@ from refppo.checks import (
     check_ndim,
     check_number,
     check_same_shape,
+    check_tensors,
     check_values,
     checks_once,
 )
@@ -303,3 +304,43 @@ def compute_gpg_outcome_advantage(
     adv = alpha * (scores - _group_mean(n, total))
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
+
+
+@register_adv_est("remax")
+@torch.no_grad()
+@checks_once
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2024): each token's reward-to-go minus the score of the greedy response to
+    the same prompt; no critic, no groups, no whitening (verl 0.9's ``remax``). Declaring
+    ``reward_baselines`` is what makes the trainer generate and score a greedy response per prompt.
+
+    G_t = sum of r_s * mask_s over s >= t (undiscounted), and A_t = G_t - b * mask_t. As in verl,
+    a masked position inside a response keeps its G_t (no loss reads it).
+
+    Args:
+        token_level_rewards: (batch, T) rewards: the score on the last token, minus beta * KL
+            with ``algorithm.use_kl_in_reward``.
+        reward_baselines: (batch,) the greedy response's score for each row's prompt.
+        response_mask: (batch, T) 0/1.
+
+    Returns:
+        advantages: (batch, T) G_t - b at valid positions.
+        returns: (batch, T) G_t.
+    """
+    check_ndim("token_level_rewards", token_level_rewards, 2)
+    check_ndim("reward_baselines", reward_baselines, 1)
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_tensors(token_level_rewards=token_level_rewards, reward_baselines=reward_baselines)
+    if reward_baselines.shape[0] != token_level_rewards.shape[0]:
+        rows = token_level_rewards.shape[0]
+        raise ValueError(f"reward_baselines has {reward_baselines.shape[0]} rows but token_level_rewards has {rows}")
+    check_values(
+        masks={"response_mask": response_mask},
+        finite={"token_level_rewards": token_level_rewards, "reward_baselines": reward_baselines},
+    )
+    dtype = _work_dtype(token_level_rewards, reward_baselines)
+    m = response_mask.to(dtype)
+    returns = (token_level_rewards.to(dtype) * m).flip(-1).cumsum(-1).flip(-1)
+    return returns - reward_baselines.to(dtype).unsqueeze(-1) * m, returns

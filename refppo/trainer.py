@@ -19,6 +19,7 @@ unless said:
 - ``values``: the critic's V(s_t) (when the advantage estimator reads values);
 - ``token_level_scores``: the score on the last valid token; ``token_level_rewards``: the
   same minus beta * KL per token when ``algorithm.use_kl_in_reward``, else equal to it;
+- ``reward_baselines``: (B,) the score of each prompt's greedy response (ReMax only);
 - ``advantages``, ``returns``: from the advantage estimator.
 
 The reward model and the reference are frozen. Metrics use verl's names, gathered in one host
@@ -317,21 +318,14 @@ class PPOTrainer:
     def _critic_loss(self, mb):
         c = self.config
         vpreds = response_values(self.critic, mb)
+        mode = critic_setting(c, "loss_agg_mode")
+        scale = self._loss_scale_factor(critic_setting(c, "loss_scale_factor"))
         vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds,
-            mb["returns"],
-            mb["values"],
-            mb["response_mask"],
-            c.critic.cliprange_value,
-            critic_setting(c, "loss_agg_mode"),
-            self._loss_scale_factor(critic_setting(c, "loss_scale_factor")),
+            vpreds, mb["returns"], mb["values"], mb["response_mask"], c.critic.cliprange_value, mode, scale
         )
         vpred_mean = masked_mean(vpreds.detach(), mb["response_mask"])
-        return vf_loss, {
-            "critic/vf_loss": vf_loss.detach(),
-            "critic/vf_clipfrac": vf_clipfrac,
-            "critic/vpred_mean": vpred_mean,
-        }
+        stats = {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac}
+        return vf_loss, stats | {"critic/vpred_mean": vpred_mean}
 
     # ---- one step ----------------------------------------------------------------------
     def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, dict]:
@@ -354,13 +348,18 @@ class PPOTrainer:
 
     def generate_and_score(self, records: list[dict], timing: dict, first_row: int = 0):
         """This process's share of ``records``: its rollout (row ``first_row`` on of the step's
-        draws) and the scores and extra scores of :meth:`score`."""
+        draws) and the scores and extra scores of :meth:`score`; for an estimator that declares
+        ``reward_baselines`` (ReMax), also the score of each prompt's greedy response."""
         n, share = self.config.rollout.n, self.world.share(len(records))
+        mine, baseline = records[share], ADV_ESTIMATORS.takes(self.config.algorithm.adv_estimator, "reward_baselines")
         with timer(timing, "gen", self.device):
-            batch = self.generate(records[share], n, first_row=first_row + share.start * n)
+            batch = self.generate(mine, n, first_row=first_row + share.start * n)
+            greedy = self.generate(mine, 1, do_sample=False) if baseline else None  # ReMax's baseline
         batch["index"] += share.start
         with timer(timing, "reward", self.device):
-            scores, extras = self.score(batch, [r for r in records[share] for _ in range(n)])
+            scores, extras = self.score(batch, [r for r in mine for _ in range(n)])
+            if greedy is not None:  # each prompt's greedy score, for each of its n rows
+                batch["reward_baselines"] = self.score(greedy, mine)[0].repeat_interleave(n)
         return batch, scores, extras
 
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
@@ -429,11 +428,8 @@ class PPOTrainer:
             return
         state = {"step": self.step, "kl_ctrl": vars(self.kl_ctrl).copy(), "sampler": self.sampler.state_dict()}
         state |= {f"{name}_sched": sched.state_dict() for name, (_, _, sched) in self._roles().items()}
-        state |= {
-            "shuffle_gen": self.shuffle_gen.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-        }
+        state |= {"shuffle_gen": self.shuffle_gen.get_state(), "torch_rng": torch.get_rng_state()}
+        state["python_rng"] = random.getstate()
         torch.save(state, folder / STATE_FILE)
 
     def load_checkpoint(self, folder: Path, state: dict) -> None:

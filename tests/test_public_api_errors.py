@@ -90,6 +90,9 @@ GOOD = {
     "compute_gpg_outcome_advantage": lambda: dict(
         token_level_rewards=_x(1), response_mask=_mask(), index=torch.tensor([0, 0, 1])
     ),
+    "compute_remax_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1), reward_baselines=torch.randn(B), response_mask=_mask()
+    ),
     "needs_critic": lambda: dict(adv_estimator="gae"),
     "agg_loss": lambda: dict(
         loss_mat=_x(), loss_mask=_mask(), loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=8.0

@@ -1,8 +1,7 @@
-"""The estimators and losses added from verl 0.9's registry: REINFORCE++, REINFORCE++-baseline and
-GPG (estimators), GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov (losses). Each against a plain
-float64 reference written
-from verl's formula, on random inputs with padding and holes, and with a property its paper
-states."""
+"""The estimators and losses added from verl 0.9's registry: REINFORCE++, REINFORCE++-baseline,
+ReMax and GPG (estimators), GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov (losses). Each
+against a plain float64 reference written from verl's formula, on random inputs with padding and
+holes, and with a property its paper states."""
 
 import math
 
@@ -16,8 +15,11 @@ from refppo.advantages import (
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    needs_critic,
 )
 from refppo.losses import POLICY_LOSSES, compute_policy_loss
+from refppo.rewards import place_score_on_last_token
 from refppo.verl_losses import (
     compute_policy_loss_cispo,
     compute_policy_loss_clip_cov,
@@ -142,9 +144,44 @@ def test_gpg_with_every_score_nonzero_is_dr_grpo():
     torch.testing.assert_close(gpg, dr_grpo)
 
 
+def ref_remax(rewards, mask, baselines):
+    """verl's formula as loops: the undiscounted reward-to-go over valid tokens, minus the baseline
+    where the mask is 1 (a hole keeps its reward-to-go)."""
+    rows = []
+    for r, m, b in zip(rewards.tolist(), mask.tolist(), baselines.tolist()):
+        to_go = [sum(r[s] * m[s] for s in range(t, T)) for t in range(T)]
+        rows.append((to_go, [g - b * k for g, k in zip(to_go, m)]))
+    return [a for _, a in rows], [g for g, _ in rows]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_remax_is_verls(seed):
+    g, rewards, mask = _inputs(seed)
+    baselines = torch.randn(B, generator=g, dtype=torch.float64)
+    adv, ret = compute_remax_outcome_advantage(rewards, baselines, mask)
+    want_adv, want_ret = ref_remax(rewards, mask, baselines)
+    torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64))
+    torch.testing.assert_close(ret, torch.tensor(want_ret, dtype=torch.float64))
+
+
+def test_remax_advantage_is_the_score_over_the_greedy_responses():
+    """With the score on the last token alone (no KL), every valid token's advantage is the
+    response's score minus its prompt's greedy score: 0 for a response that scores as the greedy one."""
+    g, _, mask = _inputs(7, holes=False)
+    scores = torch.randn(B, generator=g, dtype=torch.float64)
+    baselines = torch.cat([scores[:2], torch.randn(B - 2, generator=g, dtype=torch.float64)])
+    rewards = place_score_on_last_token(scores, mask)
+    adv, _ = compute_remax_outcome_advantage(rewards, baselines, mask)
+    torch.testing.assert_close(adv, (scores - baselines)[:, None] * mask)
+    assert adv[:2].abs().max() == 0
+    with pytest.raises(ValueError, match="reward_baselines has 5 rows but token_level_rewards has 6"):
+        compute_remax_outcome_advantage(rewards, baselines[:5], mask)
+
+
 def test_the_estimators_are_registered_with_verls_names():
-    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg"):
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "remax"):
         assert name in ADV_ESTIMATORS.names()
+    assert not needs_critic("remax") and not ADV_ESTIMATORS.takes("remax", "index"), "ReMax needs neither"
     assert ADV_ESTIMATORS.takes("reinforce_plus_plus", "gamma")
     assert ADV_ESTIMATORS.takes("gpg", "index") and ADV_ESTIMATORS.takes("reinforce_plus_plus_baseline", "index")
 
@@ -364,6 +401,7 @@ def sft_model(tmp_path_factory):
         ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true", "algorithm.gamma=0.99"],
         ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "rollout.n=2"],
         ["algorithm.adv_estimator=gpg", "rollout.n=2", "actor.policy_loss=gpg"],
+        ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=true"],
         [
             "algorithm.adv_estimator=grpo",
             "rollout.n=2",
@@ -403,6 +441,32 @@ def test_each_runs_in_the_trainer(sft_model, tmp_path, settings):
     assert main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={out}", *quick, *settings]) == 0
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 2 and math.isfinite(last["actor/pg_loss"])
+
+
+def test_remax_baseline_is_the_score_of_each_prompts_greedy_response():
+    """The trainer's ``reward_baselines`` against Hugging Face's own greedy decoding of each prompt,
+    scored by the same rule, for each of the prompt's ``rollout.n`` rows."""
+    from _trainers import TOK, make_trainer
+
+    def reward(prompts, responses, records):  # a score that tells responses apart
+        return torch.tensor([len(r) + sum(map(ord, r)) % 13 / 13 for r in responses])
+
+    trainer = make_trainer(["algorithm.adv_estimator=remax", "rollout.n=2"], seed=3, reward_fn=reward)
+    records = trainer.sampler.next_batch()
+    batch, _ = trainer.make_experience(records, {})
+    want = []
+    for record in records:
+        ids = torch.tensor([TOK(record["prompt"])["input_ids"]])
+        out = trainer.actor.generate(
+            ids, do_sample=False, max_new_tokens=4, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id
+        )
+        text = TOK.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        want += [float(reward(None, [text], None)[0])] * 2
+    assert batch["reward_baselines"].tolist() == pytest.approx(want, abs=1e-6)
+    assert len(set(want)) > 1, "the check can tell prompts apart"
+    rewards_to_go = batch["token_level_rewards"].flip(-1).cumsum(-1).flip(-1)
+    valid = batch["response_mask"].bool()
+    torch.testing.assert_close(batch["advantages"][valid], (rewards_to_go - batch["reward_baselines"][:, None])[valid])
 
 
 def test_gspo_refuses_another_aggregation(sft_model, tmp_path):
