@@ -30,11 +30,12 @@ from refppo.data import sft_examples, task_data, total_steps
 from refppo.declare import check_once
 from refppo.device import resolve_device
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
+from refppo.loggers import check_installed
 from refppo.memory import SYNTHETIC_RECORD_BYTES
 from refppo.model_folder import check_model_folder, check_same_tokenizer, check_vocabulary
 from refppo.overrides import command_settings
 from refppo.prompts import tokenize_records
-from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary, tensorboard_writer
+from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary
 from refppo.settings import format_value, ignored_settings, read_settings, valid_text, validate
 from refppo.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit
 from refppo.tasks import preference
@@ -257,13 +258,9 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         answer_fn=str.strip if config.data.task == "arithmetic" else None,  # its response is the answer
         world=world,
     )
-    if "tensorboard" in config.trainer.logger:
-        tensorboard_writer()  # installed, before the run folder exists
     run = make_run()
     if run.resume is not None:
         trainer.load_checkpoint(run.resume.folder, run.resume.state)
-    if "tensorboard" in config.trainer.logger:
-        run.enable_tensorboard()
     fit(trainer, run, config.trainer.progress_bar)
     if config.model.lora_rank > 0:  # the adapter, then the merged model the next stage loads as model.path
         _save_model(actor, tokenizer, run.path / "actor_adapter", world)
@@ -354,6 +351,7 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
         print(verl_command(config, command))
         return 0
     check_world(config, world)
+    check_installed(config.trainer.logger)
     device = start(world, resolve_device(config.trainer.device))
     out = config.trainer.output_dir
     # Before any work: a run is never written over another, and a resume finds a checkpoint
@@ -365,14 +363,21 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
 
     # Each command loads everything that can fail (models, data, reward function) first and
     # only then creates the run folder.
+    made: list[RunFolder] = []
+
     def folder() -> RunFolder:
         if on_start is not None:
             on_start()
-        return RunFolder(out, config, resume, world)
+        made.append(RunFolder(out, config, resume, world))
+        return made[-1]
 
+    ok = False
     try:
         {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, folder, world, device)
+        ok = True
     finally:
+        for run in made:  # the loggers' runs end as finished, or failed
+            run.close(ok)
         stop(world)
     if world.main:
         print(summary(out))

@@ -79,7 +79,7 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 LR_SCHEDULERS = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
-LOGGERS = ("console", "tensorboard")
+LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 COMMANDS = ("sft", "rm", "ppo")
 # Numeric ranges in interval notation ("inf)" excludes infinity; NaN is in no range).
 POSITIVE, COUNT, NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
@@ -381,8 +381,11 @@ class TrainerConfig:
     # verl's: the run also ends after this many passes over the training prompts (whole batches,
     # as verl's loader drops the last partial one); null: trainer.total_training_steps alone
     total_epochs: int | None = setting(None, COUNT, resumable=True)
-    # console: the progress and the summary (always); tensorboard: event files in the run folder
-    logger: tuple[str, ...] = setting(("console",), LOGGERS, resumable=True)
+    # verl's: console (the progress, always), file (metrics.jsonl, always), and in the run folder,
+    # offline: tensorboard, wandb, mlflow (refppo.loggers)
+    logger: tuple[str, ...] = setting(("console",), LOGGERS, commands=COMMANDS, resumable=True)
+    project_name: str = setting("refppo", commands=COMMANDS, resumable=True)  # wandb's project, MLflow's experiment
+    experiment_name: str | None = setting(None, commands=COMMANDS, resumable=True)  # null: the run folder's name
     progress_bar: bool = setting(True, commands=COMMANDS, resumable=True)
 
 

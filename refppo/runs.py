@@ -31,6 +31,7 @@ from pathlib import Path
 from refppo.conditions import CRITIC_FROM_ACTOR
 from refppo.config import Config, config_to_dict, flatten
 from refppo.distributed import SINGLE, World, barrier
+from refppo.loggers import check_installed, open_loggers
 from refppo.settings import resumable_settings
 
 STATE_FILE = "trainer_state.pt"  # a checkpoint's trainer state (PPOTrainer.save_checkpoint)
@@ -261,18 +262,6 @@ def _metrics_until(path: Path, step: int, notes: list[str]) -> list[str]:
     return [line + "\n" for line, record in pairs if record["step"] <= step]
 
 
-def tensorboard_writer():
-    """TensorBoard's ``SummaryWriter`` class; ImportError with the fix when it is not installed
-    (checked before the run folder is made)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ImportError(
-            "trainer.logger=[console,tensorboard] needs the tensorboard package: pip install tensorboard"
-        ) from None
-    return SummaryWriter
-
-
 class RunFolder:
     """One run's folder.
 
@@ -289,13 +278,15 @@ class RunFolder:
         self.path, self.resume, self.world = Path(path), resume, world
         self.metrics_path = self.path / "metrics.jsonl"
         self.generations_path = self.path / "val_generations.jsonl"
-        self.tensorboard = None
+        self.loggers = []
         if not world.main:
             return
+        check_installed(config.trainer.logger)
         if resume is None:
             check_free(self.path)
         self.path.mkdir(parents=True, exist_ok=True)  # checkpoints/ comes with the first checkpoint
         _atomic_write_text(self.path / "config.json", _config_json(config))
+        self.loggers = open_loggers(config, self.path)
         if resume is not None:
             # as the metrics, the validation samples of steps after the checkpoint are dropped
             kept = _metrics_until(self.generations_path, resume.step, resume.notes)
@@ -315,22 +306,22 @@ class RunFolder:
         """The folder of the checkpoint saved after ``step`` (``checkpoints/step_000012``)."""
         return self.path / "checkpoints" / f"step_{step:06d}"
 
-    def enable_tensorboard(self) -> None:
-        """Also write every metric to TensorBoard event files under ``tensorboard/``."""
-        if self.world.main:
-            self.tensorboard = tensorboard_writer()(str(self.path / "tensorboard"))
-
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one JSON line ``{"step": step, **metrics}`` (non-finite values as null)."""
+        """Append one JSON line ``{"step": step, **metrics}`` (non-finite values as null), and pass
+        the metrics to ``trainer.logger``'s loggers (:mod:`refppo.loggers`)."""
         if not self.world.main:
             return
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.tensorboard is not None:
-            for k, v in metrics.items():
-                self.tensorboard.add_scalar(k, v, step)
-            self.tensorboard.flush()
+        for logger in self.loggers:
+            logger.log(step, metrics)
+
+    def close(self, ok: bool = True) -> None:
+        """End the runs of ``trainer.logger``'s loggers (marked failed unless ``ok``)."""
+        for logger in self.loggers:
+            logger.close(ok)
+        self.loggers = []
 
     def log_generations(self, step: int, samples: list[dict]) -> None:
         """Append one JSON line ``{"step": step, **sample}`` per validation sample

@@ -66,7 +66,9 @@ OTHER_DEFAULTS = {
     "trainer.save_freq": (-1, "a run never loses work: a checkpoint every 100 steps"),
     "trainer.test_freq": (-1, "the book plots held-out scores through a run"),
     "trainer.critic_warmup": (0, "a fresh critic needs a few steps to follow the returns (read only with a critic)"),
-    "trainer.logger": (["console", "wandb"], "wandb needs an account and a network"),
+    "trainer.logger": (["console", "wandb"], "metrics.jsonl is always written; the others are optional packages"),
+    "trainer.project_name": ("verl_examples", "refppo's runs"),
+    "trainer.experiment_name": ("gsm8k", "null names the wandb or MLflow run after its run folder"),
 }
 
 

@@ -90,7 +90,7 @@ ENGINE = (
     ),
     "actor_rollout_ref.actor.use_remove_padding", "actor_rollout_ref.model.use_liger", "critic.model.use_liger",
     "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.nccl_timeout", "actor_rollout_ref.ref.use_torch_compile",
-    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.project_name", "trainer.experiment_name",
+    "trainer.nnodes", "trainer.n_gpus_per_node",
     "trainer.balance_batch", "trainer.use_v1", "trainer.v1.", "trainer.default_hdfs_dir",
     "trainer.del_local_ckpt_after_load", "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",

@@ -376,7 +376,8 @@ def test_sft_and_rm_with_gradient_checkpointing_give_the_same_run(sft_run, tmp_p
             "sft",
             ["trainer.total_training_steps=3"],
             r"refppo sft does not read trainer.total_training_steps \(of trainer.\* it reads trainer.seed, "
-            r"trainer.device, trainer.output_dir, trainer.progress_bar\)",
+            r"trainer.device, trainer.output_dir, trainer.logger, trainer.project_name, "
+            r"trainer.experiment_name, trainer.progress_bar\)",
         ),
         (
             "rm",
@@ -619,23 +620,33 @@ def test_a_reward_module_in_the_working_directory_is_found(tmp_path):
     assert result.stdout.strip() == "[1.0, 1.0]"
 
 
-def test_a_missing_optional_package_is_named_before_the_run_folder_exists(sft_run, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "logger, module, package",
+    [
+        ("tensorboard", "torch.utils.tensorboard", "tensorboard"),
+        ("wandb", "wandb", "wandb"),
+        ("mlflow", "mlflow", "mlflow-skinny"),
+    ],
+)
+def test_a_missing_optional_package_is_named_before_the_run_folder_exists(
+    sft_run, tmp_path, monkeypatch, capsys, logger, module, package
+):
     from refppo.cli import entry
 
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    monkeypatch.setitem(sys.modules, module, None)  # as if the package were not installed
     out = tmp_path / "run"
     argv = [
         "refppo",
         "ppo",
         f"model.path={sft_run}/model",
         f"trainer.output_dir={out}",
-        "trainer.logger=[console,tensorboard]",
+        f"trainer.logger=[console,{logger}]",
     ]
     monkeypatch.setattr(sys, "argv", [*argv, *QUICK_PPO])
     assert entry() == 2
     err = capsys.readouterr().err
-    assert err == "refppo: error: trainer.logger=[console,tensorboard] needs the tensorboard package: " + (
-        "pip install tensorboard\n"
+    assert (
+        err == f"refppo: error: trainer.logger=[console,{logger}] needs the {package} package: pip install {package}\n"
     )
     assert not out.exists()
 
