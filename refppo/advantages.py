@@ -150,7 +150,7 @@ def _group_mean(n: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.where(n == 1, torch.zeros_like(total), total / n)
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", "grpo_vectorized")  # verl's two names for one formula
 @torch.no_grad()
 @checks_once
 def compute_grpo_outcome_advantage(
@@ -344,3 +344,79 @@ def compute_remax_outcome_advantage(
     m = response_mask.to(dtype)
     returns = (token_level_rewards.to(dtype) * m).flip(-1).cumsum(-1).flip(-1)
     return returns - reward_baselines.to(dtype).unsqueeze(-1) * m, returns
+
+
+def _group_reduce(values: torch.Tensor, index, how: str) -> torch.Tensor:
+    """Each row's group ``how`` ("sum" or "amax") of ``values`` (batch,)."""
+    ids, n_groups = _group_ids(index, values.shape[0], values.device)
+    start = 0.0 if how == "sum" else -torch.inf
+    out = torch.full((n_groups,), start, dtype=values.dtype, device=values.device)
+    return out.scatter_reduce_(0, ids, values, how)[ids]
+
+
+@register_adv_est("opo")
+@torch.no_grad()
+@checks_once
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025): each response's score minus its group's mean score weighted by
+    response length, the baseline that is optimal for on-policy sequence-level rewards; on every
+    valid token, and a group of one keeps its raw score (verl 0.9's ``opo``). A group whose
+    responses are all empty gets baseline 0 (verl divides 0 by 0).
+
+    Args:
+        token_level_rewards: (batch, T); the score is the row sum.
+        response_mask: (batch, T) 0/1; a row's length is its sum.
+        index: (batch,) group labels: a list of hashables or a tensor.
+
+    Returns:
+        advantages, returns: both (batch, T), the per-row advantage on every valid token.
+    """
+    scores, n, _, _ = _group_scores(token_level_rewards, response_mask, index)
+    lengths = response_mask.to(scores.dtype).sum(-1)
+    weighted = _group_reduce(lengths * scores, index, "sum") / _group_reduce(lengths, index, "sum").clamp(min=1)
+    adv = scores - torch.where(n == 1, torch.zeros_like(weighted), weighted)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_est("grpo_passk")
+@torch.no_grad()
+@checks_once
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence | torch.Tensor,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025) as verl 0.9's ``grpo_passk``: only each group's best
+    response learns, with advantage r_max - r_second (the best score minus the next one), divided
+    by the group's unbiased std + ``epsilon`` when ``norm_adv_by_std_in_grpo``. Where the best
+    score is tied, the advantage is 0 whichever response verl's top-k picks.
+
+    Args:
+        token_level_rewards: (batch, T); the score is the row sum.
+        response_mask: (batch, T) 0/1.
+        index: (batch,) group labels; every group needs at least 2 responses.
+        epsilon: added to the std, >= 0.
+        norm_adv_by_std_in_grpo: divide by the std.
+
+    Returns:
+        advantages, returns: both (batch, T), nonzero only on the valid tokens of each group's best.
+    """
+    check_number("epsilon", epsilon, "[0, inf)")
+    check_flag("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
+    scores, n, _, sq_dev = _group_scores(token_level_rewards, response_mask, index)
+    if bool((n < 2).any()):
+        raise ValueError("grpo_passk compares each group's best response with its second: every group needs >= 2")
+    best = _group_reduce(scores, index, "amax")
+    is_best = scores == best
+    ties = _group_reduce(is_best.to(scores.dtype), index, "sum") > 1
+    below = _group_reduce(torch.where(is_best, -torch.inf, scores), index, "amax")
+    gap = torch.where(ties, torch.zeros_like(best), best - below)
+    if norm_adv_by_std_in_grpo:
+        gap = gap / (torch.sqrt(sq_dev / (n - 1)) + epsilon)
+    adv = torch.where(is_best, gap, torch.zeros_like(gap)).unsqueeze(-1) * response_mask
+    return adv, adv

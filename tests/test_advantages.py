@@ -200,6 +200,7 @@ def test_registry():
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
     assert get_adv_estimator_fn("rloo") is compute_rloo_outcome_advantage
     with pytest.raises(
-        ValueError, match="valid: gae, gpg, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo"
+        ValueError,
+        match="valid: gae, gpg, grpo, grpo_passk, grpo_vectorized, opo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo",
     ):
         get_adv_estimator_fn("ppo")

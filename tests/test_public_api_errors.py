@@ -90,6 +90,16 @@ GOOD = {
     "compute_gpg_outcome_advantage": lambda: dict(
         token_level_rewards=_x(1), response_mask=_mask(), index=torch.tensor([0, 0, 1])
     ),
+    "compute_opo_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1), response_mask=_mask(), index=torch.tensor([0, 0, 1])
+    ),
+    "compute_grpo_passk_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1),
+        response_mask=_mask(),
+        index=["a", "a", "a"],
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=True,
+    ),
     "compute_remax_outcome_advantage": lambda: dict(
         token_level_rewards=_x(1), reward_baselines=torch.randn(B), response_mask=_mask()
     ),

@@ -97,7 +97,8 @@ def test_an_estimator_that_compares_a_group_asks_for_rollout_n():
     with pytest.raises(ValueError, match="rollout.n >= 2"):
         validate(config)
     with pytest.raises(
-        ValueError, match="algorithm.adv_estimator=.test_nope. is not one of gae, grpo, rloo, .*test_reinforce"
+        ValueError,
+        match="algorithm.adv_estimator=.test_nope. is not one of gae, grpo, grpo_vectorized, rloo, .*test_reinforce",
     ):
         validate(apply_overrides(Config(), ["algorithm.adv_estimator=test_nope"]))
 

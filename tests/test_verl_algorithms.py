@@ -13,6 +13,8 @@ from refppo.advantages import (
     compute_gae_advantage_return,
     compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
@@ -178,8 +180,77 @@ def test_remax_advantage_is_the_score_over_the_greedy_responses():
         compute_remax_outcome_advantage(rewards, baselines[:5], mask)
 
 
+def ref_opo(rewards, mask, index):
+    """verl's loop: a group's baseline is sum(length * score) / sum(length); a group of one, 0."""
+    scores, lengths = rewards.sum(-1).tolist(), mask.sum(-1).tolist()
+    baselines = []
+    for i in index:
+        members = [j for j, k in enumerate(index) if k == i]
+        weighted = sum(lengths[j] * scores[j] for j in members) / sum(lengths[j] for j in members)
+        baselines.append(0.0 if len(members) == 1 else weighted)
+    return [[(s - b) * k for k in m] for s, b, m in zip(scores, baselines, mask.tolist())]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_opo_is_verls(seed):
+    _, rewards, mask = _inputs(seed)
+    index = ["a", "a", "b", "b", "b", "c"]
+    adv, ret = compute_opo_outcome_advantage(rewards, mask, index)
+    torch.testing.assert_close(adv, torch.tensor(ref_opo(rewards, mask, index), dtype=torch.float64))
+    assert ret is adv
+
+
+def test_opo_with_equal_lengths_is_dr_grpo():
+    """The length weights cancel when every response of a group is as long: the plain group mean."""
+    _, rewards, _ = _inputs(2, holes=False)
+    mask = torch.ones(B, T, dtype=torch.float64)
+    index = [0, 0, 0, 1, 1, 1]
+    opo, _ = compute_opo_outcome_advantage(rewards, mask, index)
+    dr_grpo, _ = compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)
+    torch.testing.assert_close(opo, dr_grpo)
+
+
+def ref_passk(rewards, mask, index, norm, epsilon=1e-6):
+    """verl's loop: the group's top two by torch.topk; the first of them gets r_max - r_second."""
+    scores = rewards.sum(-1)
+    adv = [0.0] * len(index)
+    for i in dict.fromkeys(index):
+        members = [j for j, k in enumerate(index) if k == i]
+        group = scores[members]
+        top, where = torch.topk(group, 2)
+        gap = (top[0] - top[1]).item()
+        adv[members[where[0].item()]] = gap / (group.std().item() + epsilon) if norm else gap
+    return [[a * k for k in m] for a, m in zip(adv, mask.tolist())]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_is_verls(seed, norm):
+    _, rewards, mask = _inputs(seed)
+    index = ["a", "a", "b", "b", "c", "c"] if seed % 2 else ["a", "a", "b", "b", "b", "b"]
+    adv, ret = compute_grpo_passk_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(adv, torch.tensor(ref_passk(rewards, mask, index, norm), dtype=torch.float64))
+    assert ret is adv
+    learners = [index[r] for r in range(B) if adv[r].abs().sum() > 0]
+    assert len(learners) == len(set(learners)), "at most one response of a group learns"
+    with pytest.raises(ValueError, match="every group needs >= 2"):
+        compute_grpo_passk_outcome_advantage(rewards, mask, list(range(B)))
+
+
+def test_grpo_passk_teaches_nothing_where_the_best_is_tied():
+    _, _, mask = _inputs(1, holes=False)
+    rewards = torch.zeros(B, T, dtype=torch.float64)
+    rewards[:, 0] = torch.tensor([3.0, 3.0, 1.0, 2.0, 0.5, 0.0])
+    adv, _ = compute_grpo_passk_outcome_advantage(rewards, mask, [0, 0, 0, 1, 1, 1])
+    assert adv[:3].abs().max() == 0 and adv[3, 0] > 0 and adv[4:].abs().max() == 0
+
+
+def test_grpo_vectorized_is_grpo():
+    assert ADV_ESTIMATORS.get("grpo_vectorized") is compute_grpo_outcome_advantage
+
+
 def test_the_estimators_are_registered_with_verls_names():
-    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "remax"):
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "remax", "opo", "grpo_passk"):
         assert name in ADV_ESTIMATORS.names()
     assert not needs_critic("remax") and not ADV_ESTIMATORS.takes("remax", "index"), "ReMax needs neither"
     assert ADV_ESTIMATORS.takes("reinforce_plus_plus", "gamma")
@@ -402,6 +473,8 @@ def sft_model(tmp_path_factory):
         ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "rollout.n=2"],
         ["algorithm.adv_estimator=gpg", "rollout.n=2", "actor.policy_loss=gpg"],
         ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=true"],
+        ["algorithm.adv_estimator=opo", "rollout.n=2"],
+        ["algorithm.adv_estimator=grpo_passk", "rollout.n=2"],
         [
             "algorithm.adv_estimator=grpo",
             "rollout.n=2",
