@@ -201,6 +201,7 @@ def test_registry():
     assert get_adv_estimator_fn("rloo") is compute_rloo_outcome_advantage
     with pytest.raises(
         ValueError,
-        match="valid: gae, gpg, grpo, grpo_passk, grpo_vectorized, opo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo",
+        match="valid: gae, gpg, grpo, grpo_passk, grpo_vectorized, opo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, remax, rloo",
     ):
         get_adv_estimator_fn("ppo")
