@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from refppo import verl_losses  # noqa: F401  (registers verl's other policy losses, which config names)
+from refppo import divergence_losses, verl_losses  # noqa: F401  (register verl's other policy losses, which config names)
 from refppo.advantages import ADV_ESTIMATORS
 from refppo.conditions import (
     ACTOR_NORM,
@@ -57,6 +57,7 @@ from refppo.conditions import (
 from refppo.declare import (
     apply_overrides,
     declarations,
+    flatten,
     get_value,
     is_optional,
     leaf_keys,
@@ -172,7 +173,7 @@ class ActorConfig:
     # seq-mean-token-sum-norm's divisor; None: data.max_response_length
     loss_scale_factor: float | None = setting(None, POSITIVE, needs=ACTOR_NORM)
     # clip (verl's vanilla) | penalty (PPO-penalty: a KL-to-old penalty) | verl's gspo, sapo, cispo,
-    # geo_mean, gpg, clip_cov, kl_cov
+    # geo_mean, gpg, clip_cov, kl_cov, dro, dppo_tv, dppo_kl
     policy_loss: str = setting("clip", POLICY_LOSSES.names)
     penalty_kl_coef: float = setting(0.1, NONNEG, needs=LOSS_TAKES)
     penalty_kl_type: str = setting("kl", kl_penalty_types, needs=LOSS_TAKES)
@@ -185,6 +186,7 @@ class ActorConfig:
     clip_cov_ub: float = setting(5.0, "(-inf, inf)", needs=LOSS_TAKES)
     kl_cov_ratio: float = setting(0.0002, "(0, 1]", needs=LOSS_TAKES)
     ppo_kl_coef: float = setting(0.1, NONNEG, needs=LOSS_TAKES)
+    dro_beta: float | None = setting(None, POSITIVE, needs=LOSS_TAKES)  # DRO's penalty on the squared log-ratio
     use_kl_loss: bool = setting(False)
     kl_loss_coef: float = setting(0.001, NONNEG, needs=KL_LOSS)
     kl_loss_type: str = setting("low_var_kl", kl_penalty_types, needs=KL_LOSS)
@@ -440,11 +442,3 @@ def config_from_dict(values: dict) -> Config:
     flat = flatten(values)
     text = lambda v: "null" if v is None else ",".join(map(str, v)) if isinstance(v, list | tuple) else v  # noqa: E731
     return apply_overrides(Config(), [f"{k}={text(v)}" for k, v in flat.items()])
-
-
-def flatten(values: dict, prefix: str = "") -> dict:
-    """Nested dicts as one dict with dotted keys: {"actor": {"ppo_epochs": 1}} -> {"actor.ppo_epochs": 1}."""
-    out = {}
-    for k, v in values.items():
-        out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
-    return out

@@ -215,3 +215,11 @@ def get_value(config, key: str):
     """The value of a dotted key, e.g. ``get_value(config, "actor.optim.lr")``."""
     owner, name = owner_of(config, key)
     return getattr(owner, name)
+
+
+def flatten(values: dict, prefix: str = "") -> dict:
+    """Nested dicts as one dict with dotted keys: {"actor": {"ppo_epochs": 1}} -> {"actor.ppo_epochs": 1}."""
+    out = {}
+    for k, v in values.items():
+        out |= flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
+    return out

@@ -271,6 +271,10 @@ def _check_combinations(config: Config) -> None:
     )
     _require(not (rm.enable and rm.model.path is None), "reward_model.enable=true needs reward_model.model.path")
     _require(
+        a.policy_loss != "dro" or a.dro_beta is not None,
+        "actor.policy_loss=dro needs actor.dro_beta (verl's actor.policy_loss.dro_beta), a number > 0",
+    )
+    _require(
         a.policy_loss != "clip_cov" or a.clip_cov_lb < a.clip_cov_ub,
         f"actor.clip_cov_lb={a.clip_cov_lb} must be below actor.clip_cov_ub={a.clip_cov_ub}",
     )

@@ -24,7 +24,7 @@ NAMES = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
     **{
         f"actor_rollout_ref.actor.policy_loss.{k}": f"actor.{k}"
-        for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+        for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
     },
     "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
     "critic.optim.clip_grad": "critic.grad_clip",

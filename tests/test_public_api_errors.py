@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-from refppo import advantages, functional, kl, losses, rewards, rollout_correction, verl_losses
+from refppo import advantages, divergence_losses, functional, kl, losses, rewards, rollout_correction, verl_losses
 from refppo.checks import NonFiniteError
 
-MODULES = (functional, advantages, losses, verl_losses, kl, rewards, rollout_correction)
+MODULES = (functional, advantages, losses, verl_losses, divergence_losses, kl, rewards, rollout_correction)
 B, T = 3, 4
 
 
@@ -128,6 +128,21 @@ GOOD = {
     "compute_policy_loss_sapo": lambda: _pair(tau_pos=1.0, tau_neg=1.05, rollout_is_weights=_x(4).abs()),
     "compute_policy_loss_geo_mean": lambda: _pair(
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_is_weights=_x(4).abs()
+    ),
+    **{
+        f"compute_policy_loss_dppo_{d}": lambda: _pair(
+            clip_ratio=0.2,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
+            clip_ratio_c=3.0,
+            loss_agg_mode="token-mean",
+            rollout_is_weights=_x(4).abs(),
+            loss_scale_factor=8.0,
+        )
+        for d in ("tv", "kl")
+    },
+    "compute_policy_loss_dro": lambda: _pair(
+        dro_beta=0.5, loss_agg_mode="token-mean", rollout_is_weights=_x(4).abs(), loss_scale_factor=8.0
     ),
     "compute_policy_loss_cispo": lambda: _pair(
         clip_ratio=0.2,
@@ -246,9 +261,18 @@ VALID = {
             "compute_policy_loss_cispo",
             "compute_policy_loss_geo_mean",
             "compute_policy_loss_clip_cov",
+            "compute_policy_loss_dppo_tv",
+            "compute_policy_loss_dppo_kl",
         )
         for arg in ("clip_ratio_low", "clip_ratio_high", "rollout_is_weights")
     ),
+    *(
+        (f"compute_policy_loss_dppo_{d}", arg, "None")
+        for d in ("tv", "kl")
+        for arg in ("clip_ratio_c", "loss_scale_factor")
+    ),
+    ("compute_policy_loss_dro", "rollout_is_weights", "None"),
+    ("compute_policy_loss_dro", "loss_scale_factor", "None"),
     ("compute_policy_loss_gpg", "rollout_is_weights", "None"),
     ("compute_policy_loss_kl_cov", "rollout_is_weights", "None"),
     # a covariance bound may be any number (the window is refused only when empty)

@@ -1,5 +1,6 @@
 """The estimators and losses added from verl 0.9's registry: REINFORCE++, REINFORCE++-baseline,
-ReMax and GPG (estimators), GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov (losses). Each
+ReMax, GPG, OPO and pass@k GRPO (estimators), GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov, KL-Cov,
+DPPO and DRO (losses). Each
 against a plain float64 reference written from verl's formula, on random inputs with padding and
 holes, and with a property its paper states."""
 
@@ -20,6 +21,7 @@ from refppo.advantages import (
     compute_remax_outcome_advantage,
     needs_critic,
 )
+from refppo.divergence_losses import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv, compute_policy_loss_dro
 from refppo.losses import POLICY_LOSSES, compute_policy_loss
 from refppo.rewards import place_score_on_last_token
 from refppo.verl_losses import (
@@ -347,6 +349,75 @@ def test_cispo_is_verls_and_a_clipped_token_keeps_its_gradient(seed):
     assert metrics["actor/pg_clipfrac"].item() == pytest.approx(clipped.sum().item() / mask.sum().item())
 
 
+def ref_dppo(old, new, adv, mask, low, high, c, divergence):
+    """verl's DPPO per token: which tokens are kept, and -A * min(ratio, c) * log pi on them."""
+    kept, losses = [], []
+    for o_row, n_row, a_row in zip(old.tolist(), new.tolist(), adv.tolist()):
+        kept.append([])
+        for x, y, a in zip(o_row, n_row, a_row):
+            p, q, ratio = math.exp(x), math.exp(y), math.exp(min(max(y - x, -20.0), 20.0))
+            if divergence == "tv":
+                keep = q - p <= high if a > 0 else q - p >= -low
+            else:
+                kl = p * (x - y) + (1 - p) * math.log((1 - p + 1e-8) / (1 - q + 1e-8))
+                keep = (kl <= high or q <= p) if a > 0 else (kl <= low or q >= p)
+            kept[-1].append(float(keep))
+            losses.append((-a * min(ratio, c) * y * keep, keep))
+    flat_mask = [k for m in mask.tolist() for k in m]
+    loss = sum(x * k for (x, _), k in zip(losses, flat_mask)) / sum(flat_mask)
+    return loss, torch.tensor(kept, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+def test_dppo_is_verls_and_its_gradient_is_ppos_on_the_kept_tokens(seed, divergence):
+    old, new, adv, mask = _loss_inputs(seed, scale=0.5)
+    new = torch.clamp(new.detach(), max=-0.01).requires_grad_(True)  # probabilities below 1
+    fn = compute_policy_loss_dppo_tv if divergence == "tv" else compute_policy_loss_dppo_kl
+    low, high = (0.1, 0.15) if divergence == "tv" else (0.02, 0.05)
+    loss, metrics = fn(old, new, adv, mask, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=1.5)
+    want, kept = ref_dppo(old, new.detach(), adv, mask, low, high, 1.5, divergence)
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    loss.backward()
+    ratio = torch.exp(new.detach() - old)
+    # PPO's gradient -A * ratio * grad log pi (truncated at c) where kept, none elsewhere
+    torch.testing.assert_close(new.grad, -adv * torch.clamp(ratio, max=1.5) * kept * mask / mask.sum())
+    left_out = (1 - kept) * mask
+    assert 0 < left_out.sum() < mask.sum(), "some tokens kept, some left out"
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(left_out.sum().item() / mask.sum().item())
+    truncated = ((ratio > 1.5) * kept * mask).sum().item() / mask.sum().item()
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(truncated)
+
+
+def test_dppo_without_truncation_and_thresholds_is_the_plain_policy_gradient():
+    old, new, adv, mask = _loss_inputs(1, scale=0.3)
+    loss, metrics = compute_policy_loss_dppo_tv(
+        old, new, adv, mask, clip_ratio_low=0.999, clip_ratio_high=2.0, clip_ratio_c=None
+    )
+    loss.backward()
+    torch.testing.assert_close(new.grad, -adv * torch.exp(new.detach() - old) * mask / mask.sum())
+    assert metrics["actor/pg_clipfrac"].item() == 0 and metrics["actor/pg_clipfrac_lower"].item() == 0
+
+
+def ref_dro(old, new, adv, mask, beta):
+    rows = zip(old.tolist(), new.tolist(), adv.tolist(), mask.tolist())
+    terms = [(-(y * a - 0.5 * beta * (y - x) ** 2), k) for o, n, ad, m in rows for x, y, a, k in zip(o, n, ad, m)]
+    return sum(t * k for t, k in terms) / sum(k for _, k in terms)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dro_is_verls_and_its_penalty_pulls_back_to_the_old_policy(seed):
+    old, new, adv, mask = _loss_inputs(seed)
+    loss, metrics = compute_policy_loss_dro(old, new, adv, mask, dro_beta=0.7)
+    assert loss.item() == pytest.approx(ref_dro(old, new.detach(), adv, mask, 0.7), rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(new.grad, (-adv + 0.7 * (new.detach() - old)) * mask / mask.sum())
+    kl = ((old - new.detach()) * mask).sum() / mask.sum()
+    assert metrics == {"actor/ppo_kl": pytest.approx(kl.item())}
+    with pytest.raises(ValueError, match="dro_beta must be"):
+        compute_policy_loss_dro(old, new, adv, mask)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 def test_gpg_loss_is_plain_policy_gradient(mode):
     old, new, adv, mask = _loss_inputs(2)
@@ -475,6 +546,14 @@ def sft_model(tmp_path_factory):
         ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=true"],
         ["algorithm.adv_estimator=opo", "rollout.n=2"],
         ["algorithm.adv_estimator=grpo_passk", "rollout.n=2"],
+        ["algorithm.adv_estimator=grpo", "rollout.n=2", "actor.policy_loss=dppo_tv", "actor.clip_ratio_c=20"],
+        ["algorithm.adv_estimator=grpo", "rollout.n=2", "actor.policy_loss=dppo_kl"],
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "actor.policy_loss.loss_mode=dro",
+            "actor.policy_loss.dro_beta=0.5",
+        ],
         [
             "algorithm.adv_estimator=grpo",
             "rollout.n=2",
