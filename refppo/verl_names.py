@@ -120,6 +120,19 @@ MISSING = {
     "trainer.val_only": ("false", "validation-only runs"),
 }
 
+# values of verl 0.9's registries that refppo does not implement: what each is missing
+MISSING_CHOICES = {
+    ("algorithm.adv_estimator", "gdpo"): "GDPO's normalisation of each reward component (it needs several reward keys)",
+    ("algorithm.adv_estimator", "optimal_token_baseline"): "the optimal token baseline (it needs each token's "
+    "sum of squared probabilities)",
+    ("algorithm.adv_estimator", "tir_optimal_token_baseline"): "the optimal token baseline for tool-integrated "
+    "rollouts",
+    ("algorithm.adv_estimator", "rloo_vectorized"): "verl's vectorised RLOO, which gives a group of one 0 "
+    "(algorithm.adv_estimator=rloo keeps its score, as verl's rloo)",
+    ("actor.policy_loss", "bypass_mode"): "the loss verl's trainer picks itself in bypass mode: set "
+    "algorithm.rollout_correction.bypass_mode=true (with PPO's clip loss)",
+}
+
 
 def full_path(key: str) -> str:
     """A key as verl spells it in full (``actor.optim.lr`` -> ``actor_rollout_ref.actor.optim.lr``)."""
@@ -181,6 +194,8 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
             out.append(choices[_plain(text)])
             continue
         name = refppo_key(key)
+        if sep and (name, _plain(text)) in MISSING_CHOICES:
+            raise ValueError(f"{key}={text}: refppo does not implement {MISSING_CHOICES[name, _plain(text)]}")
         value = VALUES.get((name, _plain(text)), text) if sep else text
         out.append(f"{name}{sep}{value}")
     keys = {item.partition("=")[0].strip() for item in out}

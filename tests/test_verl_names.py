@@ -14,7 +14,18 @@ from refppo.cli import main
 from refppo.config import Config, apply_overrides, declarations, get_value
 from refppo.settings import format_value, validate
 from refppo.verl_map import OTHER_DEFAULTS, REFPPO_ONLY, key_map, verl_command
-from refppo.verl_names import ADDED, ENGINE, MISSING, NAMES, RENAMED, full_path, refppo_key, translate, verl_key
+from refppo.verl_names import (
+    ADDED,
+    ENGINE,
+    MISSING,
+    MISSING_CHOICES,
+    NAMES,
+    RENAMED,
+    full_path,
+    refppo_key,
+    translate,
+    verl_key,
+)
 
 # verl 0.9's config keys and defaults, and those its DAPO command lines add
 VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys.json").read_text())["defaults"] | ADDED
@@ -140,6 +151,35 @@ def test_engine_settings_are_noted_and_change_nothing():
 def test_what_refppo_lacks_or_renamed_is_refused_by_name(override, message):
     with pytest.raises(ValueError, match=message):
         apply_overrides(Config(), [override])
+
+
+# verl 0.9's registries, read from its core_algos.py (register_adv_est, register_policy_loss)
+VERL_ESTIMATORS = (
+    "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo", "grpo_passk",
+    "gpg", "rloo_vectorized", "grpo_vectorized", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo",
+)  # fmt: skip
+VERL_LOSSES = (
+    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
+    "bypass_mode",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, names", [("algorithm.adv_estimator", VERL_ESTIMATORS), ("actor.policy_loss", VERL_LOSSES)]
+)
+def test_each_name_in_verls_registries_runs_or_is_refused_naming_what_is_missing(key, names):
+    from refppo.advantages import ADV_ESTIMATORS
+    from refppo.losses import POLICY_LOSSES
+
+    registry = ADV_ESTIMATORS if key == "algorithm.adv_estimator" else POLICY_LOSSES
+    for name in names:
+        if (key, name) in MISSING_CHOICES:
+            with pytest.raises(ValueError, match=f"{key}={name}: refppo does not implement "):
+                translate([f"{key}={name}"])
+        else:
+            (line,), _ = translate([f"{key}={name}"])
+            assert line.partition("=")[2] in registry.names(), name
+    assert len([n for k, n in MISSING_CHOICES if k == key]) <= 4, "most of verl's registry is here"
 
 
 def test_a_missing_feature_at_its_off_value_is_accepted_with_a_note():
