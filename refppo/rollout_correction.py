@@ -150,6 +150,63 @@ def rs_thresholds(rollout_rs: str, threshold: str | float | None) -> dict[str, t
     return out
 
 
+def _rs_summary(
+    prefix: str,
+    token_stat: torch.Tensor,
+    seq_stat: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    lower: float | None,
+    upper: float,
+) -> dict[str, torch.Tensor]:
+    """verl 0.9's statistics of one rejection criterion (``compute_rs_metrics``), named
+    ``<prefix>_<stat>``: the statistic's mean over the valid tokens; its max and min, and the shares
+    above ``upper`` and below ``lower``, over the tokens (a token criterion) or the responses (a
+    sequence criterion); its std clamped to the bounds; and ``seq_*``: the same over the responses
+    with tokens, each response's value being ``seq_stat`` or, for a token criterion, its tokens' mean.
+
+    Args:
+        prefix: e.g. ``rollout_corr/rollout_rs_token_k1``.
+        token_stat: (batch, T) each token's statistic (its response's, for a sequence criterion).
+        seq_stat: (batch,) each response's statistic for a sequence criterion, else None.
+        response_mask: (batch, T) 0/1 with at least one valid token.
+        lower, upper: the bounds the statistic is tested against (logs for k1); lower is None for
+            the upper-bound criteria, whose ``fraction_low`` is 0 and ``seq_fraction_low`` absent.
+
+    Returns:
+        name -> detached scalar.
+    """
+    valid, rows = response_mask.bool(), (response_mask.sum(-1) > 0).to(token_stat.dtype)
+    per_row = masked_mean(token_stat, response_mask, axis=-1) if seq_stat is None else seq_stat
+    n_rows = rows.sum()
+
+    def over_rows(x):
+        return (x * rows).sum() / n_rows
+
+    def extremes(x, mask):
+        return x.masked_fill(~mask, -math.inf).max(), x.masked_fill(~mask, math.inf).min()
+
+    low = -math.inf if lower is None else lower  # the upper-bound criteria report no share below
+    sequence = seq_stat is not None
+    out = {"mean": masked_mean(token_stat, response_mask)}
+    out["max"], out["min"] = extremes(token_stat, valid)  # a response's value on each of its tokens: the same
+    high_share = over_rows((per_row > upper).to(rows.dtype))
+    out["fraction_high"] = high_share if sequence else masked_mean((token_stat > upper).to(rows.dtype), response_mask)
+    low_share = over_rows((per_row < low).to(rows.dtype))
+    out["fraction_low"] = low_share if sequence else masked_mean((token_stat < low).to(rows.dtype), response_mask)
+    clamped = token_stat.clamp(min=0.0 if lower is None else lower, max=upper)
+    variance = masked_mean(clamped.square(), response_mask) - masked_mean(clamped, response_mask).square()
+    out["std"] = torch.where(valid.sum() > 1, variance.clamp(min=0).sqrt(), 0.0)
+    seq_mean = over_rows(per_row)
+    seq_var = ((per_row - seq_mean) * rows).square().sum() / (n_rows - 1).clamp(min=1)
+    out |= {"seq_mean": seq_mean, "seq_std": torch.where(n_rows > 1, seq_var.sqrt(), 0.0)}
+    out["seq_max"], out["seq_min"] = extremes(per_row, rows.bool())
+    out["seq_max_deviation"] = extremes(per_row.abs(), rows.bool())[0]
+    out["seq_fraction_high"] = high_share
+    if lower is not None:
+        out["seq_fraction_low"] = low_share
+    return {f"{prefix}_{k}": v.detach() for k, v in out.items()}
+
+
 @checks_once
 def compute_rollout_rs_mask(
     old_log_prob: torch.Tensor,
@@ -175,7 +232,8 @@ def compute_rollout_rs_mask(
         (mask (batch, T), the response mask with the rejected tokens 0; metrics as verl names them
         under ``rollout_corr/``: ``rollout_rs_masked_fraction`` (of the valid tokens),
         ``rollout_rs_seq_masked_fraction`` (of the rows) and, per option,
-        ``rollout_rs_<option>_masked_fraction`` and ``_seq_masked_fraction`` (of the responses with tokens)).
+        ``rollout_rs_<option>_masked_fraction`` and ``_seq_masked_fraction`` (of the responses with
+        tokens) and the statistics of :func:`_rs_summary`).
     """
     bounds = rs_thresholds(rollout_rs, threshold)
     check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
@@ -195,13 +253,17 @@ def compute_rollout_rs_mask(
             stat = masked_sum(stat, response_mask, axis=-1)[:, None]
         elif level == "seq_mean":
             stat = masked_mean(stat, response_mask, axis=-1)[:, None]
-        elif level == "seq_max":
+        elif level == "seq_max":  # an empty response's maximum is 0, as verl's
             stat = stat.masked_fill(~valid, -math.inf).max(dim=-1, keepdim=True).values
-        kept = (stat >= math.log(lower)) & (stat <= math.log(upper)) if k == "k1" else stat <= upper
-        kept = kept.expand_as(valid)
+            stat = torch.where(stat == -math.inf, 0.0, stat)
+        low, high = (math.log(lower), math.log(upper)) if k == "k1" else (None, upper)
+        kept = ((stat >= low) & (stat <= high) if k == "k1" else stat <= high).expand_as(valid)
         keep &= kept
         dropped = (~kept & valid).any(-1)
         name = f"rollout_corr/rollout_rs_{option}"
+        metrics |= _rs_summary(
+            name, stat.expand_as(log_ratio), None if level == "token" else stat[:, 0], response_mask, low, high
+        )
         metrics[f"{name}_masked_fraction"] = masked_mean((~kept).to(log_ratio.dtype), response_mask)
         metrics[f"{name}_seq_masked_fraction"] = (dropped & rows).sum() / rows.sum().clamp(min=1)
     metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean((~keep).to(log_ratio.dtype), response_mask)

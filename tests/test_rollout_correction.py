@@ -89,9 +89,9 @@ def test_rollout_is_weights_refuse_an_unknown_level():
 def _plain_rs(old, rollout, mask, bounds):
     """verl 0.9's compute_rollout_rejection_mask, row by row in float64 Python: the kept-token mask
     and the token / row fractions it reports."""
-    keep_rows, per_option = [], {}
+    keep_rows, per_option, stats = [], {}, {}
     for name in bounds:
-        per_option[name] = []
+        per_option[name], stats[name] = [], ([], [])
     for o, r, m in zip(old.tolist(), rollout.tolist(), mask.tolist()):
         lr = [max(-20.0, min(20.0, a - b)) for a, b in zip(o, r)]
         est = {"k1": [-x for x in lr], "k2": [0.5 * x * x for x in lr], "k3": [math.exp(x) - 1 - x for x in lr]}
@@ -100,7 +100,8 @@ def _plain_rs(old, rollout, mask, bounds):
             level, k = name.rsplit("_", 1)
             valid = [e for e, v in zip(est[k], m) if v]
             if level == "token":
-                stats = est[k]
+                row = est[k]
+                one = sum(valid) / (len(valid) + 1e-8)  # the row's value in the statistics: its mean
             else:
                 if level == "seq_sum":
                     one = sum(valid)
@@ -108,12 +109,37 @@ def _plain_rs(old, rollout, mask, bounds):
                     one = sum(valid) / (len(valid) + 1e-8)
                 else:
                     one = max(valid) if valid else 0.0
-                stats = [one] * len(o)
-            ok = [(math.log(lower) <= x <= math.log(upper)) if k == "k1" else x <= upper for x in stats]
+                row = [one] * len(o)
+            stats[name][0].append(row)
+            stats[name][1].append(one)
+            ok = [(math.log(lower) <= x <= math.log(upper)) if k == "k1" else x <= upper for x in row]
             per_option[name].append(ok)
             keep = [a and b for a, b in zip(keep, ok)]
         keep_rows.append(keep)
-    return keep_rows, per_option
+    return keep_rows, per_option, stats
+
+
+def _plain_rs_summary(token_stats, row_values, mask, sequence, lower, upper):
+    """verl 0.9's compute_rs_metrics in plain Python: ``token_stats`` per row (a sequence
+    criterion's value repeated), ``row_values`` each row's value; ``lower`` None for the criteria
+    with an upper bound only (verl's apply_lower_threshold false, its lower bound 0)."""
+    tokens = [x for row, m in zip(token_stats, mask) for x, k in zip(row, m) if k]
+    rows = [v for v, m in zip(row_values, mask) if sum(m)]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    out = {"mean": mean(tokens)}
+    pool = rows if sequence else tokens
+    out |= {"max": max(pool), "min": min(pool), "fraction_high": mean([float(x > upper) for x in pool])}
+    out["fraction_low"] = 0.0 if lower is None else mean([float(x < lower) for x in pool])
+    clamped = [min(max(x, 0.0 if lower is None else lower), upper) for x in tokens]
+    out["std"] = math.sqrt(max(mean([x * x for x in clamped]) - mean(clamped) ** 2, 0.0)) if len(tokens) > 1 else 0.0
+    m = mean(rows)
+    out["seq_mean"], out["seq_max"], out["seq_min"] = m, max(rows), min(rows)
+    out["seq_std"] = math.sqrt(sum((x - m) ** 2 for x in rows) / (len(rows) - 1)) if len(rows) > 1 else 0.0
+    out["seq_max_deviation"] = max(abs(x) for x in rows)
+    out["seq_fraction_high"] = mean([float(x > upper) for x in rows])
+    if lower is not None:
+        out["seq_fraction_low"] = mean([float(x < lower) for x in rows])
+    return out
 
 
 @pytest.mark.parametrize(
@@ -136,7 +162,7 @@ def test_rollout_rejection_equals_verls(rollout_rs, threshold):
     rollout[0, 0] = old[0, 0] - 50  # beyond the +-20 clamp
     mask = (torch.arange(7)[None, :] < torch.tensor([[7], [5], [3], [1], [0], [6]])).double()  # an empty row
     bounds = rs_thresholds(rollout_rs, threshold)
-    keep, per_option = _plain_rs(old, rollout, mask, bounds)
+    keep, per_option, stats = _plain_rs(old, rollout, mask, bounds)
     got, metrics = compute_rollout_rs_mask(old, rollout, mask, rollout_rs, threshold)
     expected = mask * torch.tensor(keep, dtype=torch.float64)
     assert torch.equal(got, expected) and 0 < got.sum() < mask.sum(), "some tokens kept, some rejected"
@@ -151,6 +177,12 @@ def test_rollout_rejection_equals_verls(rollout_rs, threshold):
         assert metrics[f"rollout_corr/rollout_rs_{name}_seq_masked_fraction"] == pytest.approx(
             sum(d and r for d, r in zip(dropped, rows)) / sum(rows)
         )
+        lower, upper = bounds[name]
+        lower, upper = (math.log(lower), math.log(upper)) if name.endswith("k1") else (None, upper)
+        want = _plain_rs_summary(*stats[name], mask.tolist(), not name.startswith("token"), lower, upper)
+        got_stats = {k.rpartition(f"rs_{name}_")[2]: v.item() for k, v in metrics.items() if f"rs_{name}_" in k}
+        del got_stats["masked_fraction"], got_stats["seq_masked_fraction"]
+        assert got_stats == pytest.approx(want, rel=1e-6, abs=1e-12), name
     kept = torch.tensor(keep)
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
         float((~kept & valid).sum() / valid.sum())
