@@ -415,7 +415,7 @@ def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_bac
     if command == "ppo":
         # Registered estimators are valid too (test_registry.py adds some when it is imported).
         assert (
-            valid["algorithm.adv_estimator"].startswith("gae | grpo | rloo")
+            valid["algorithm.adv_estimator"].startswith("gae | grpo | grpo_vectorized | rloo")
             and valid["actor.clip_ratio_c"] == "(1, inf)"
         )
         # A setting the defaults turn off says what turns it on.
