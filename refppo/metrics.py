@@ -168,6 +168,21 @@ def rollout_is_metrics(
     return {f"rollout_corr/{k}": v.detach() for k, v in out.items()}
 
 
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``critic/vf_explained_var``: 1 - Var(returns - values) / (Var(returns) + 1e-5), both
+    variances unbiased over the valid tokens of the whole batch. 1 for a perfect critic, 0 for one
+    that predicts the mean, negative for worse.
+
+    Args:
+        returns, values: (batch, T) the critic's targets and its predictions.
+        response_mask: (batch, T) 0/1 with at least 2 ones.
+
+    Returns:
+        Scalar.
+    """
+    return 1.0 - masked_var(returns - values, response_mask) / (masked_var(returns, response_mask) + 1e-5)
+
+
 def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: bool) -> dict[str, torch.Tensor]:
     """verl's ``compute_data_metrics`` and ``calculate_debug_metrics`` of an evaluated batch.
 
@@ -199,8 +214,7 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
     mean_max_min("critic/returns", batch["returns"], mask)
     if use_critic:
         mean_max_min("critic/values", batch["values"], mask)
-        residual_var = masked_var(batch["returns"] - batch["values"], mask)
-        out["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(batch["returns"], mask) + 1e-5)
+        out["critic/vf_explained_var"] = explained_variance(batch["returns"], batch["values"], mask)
     if not config.algorithm.rollout_correction.bypass_mode:
         # verl's debug metrics: the sampler's token probabilities against the trainer's own
         # recomputation; far from 0 (and a correlation below 1) when the two disagree

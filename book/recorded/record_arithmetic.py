@@ -1,4 +1,4 @@
-"""Run the README's arithmetic pipeline from the CLI and record its curves for chapter 5.
+"""Run the README's arithmetic pipeline from the CLI and record its curves for chapter 5b.
 
     python book/recorded/record_arithmetic.py [--out book/recorded/arithmetic_cli.json]
 
