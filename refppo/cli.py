@@ -360,15 +360,24 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     resume = broadcast(_checked_folder(out, config) if world.main else None, world)
     if isinstance(resume, Exception):
         raise resume
+    try:
+        _run_command(command, config, resume, world, device, on_start)
+    finally:
+        stop(world)
+    if world.main:
+        print(summary(out))
+    return 0
 
-    # Each command loads everything that can fail (models, data, reward function) first and
-    # only then creates the run folder.
+
+def _run_command(command: str, config: Config, resume, world: World, device: torch.device, on_start) -> None:
+    """Run ``refppo <command>``. It loads everything that can fail (models, data, reward function)
+    first and only then creates the run folder, whose loggers' runs end as finished, or failed."""
     made: list[RunFolder] = []
 
     def folder() -> RunFolder:
         if on_start is not None:
             on_start()
-        made.append(RunFolder(out, config, resume, world))
+        made.append(RunFolder(config.trainer.output_dir, config, resume, world))
         return made[-1]
 
     ok = False
@@ -376,12 +385,8 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
         {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}[command](config, folder, world, device)
         ok = True
     finally:
-        for run in made:  # the loggers' runs end as finished, or failed
+        for run in made:
             run.close(ok)
-        stop(world)
-    if world.main:
-        print(summary(out))
-    return 0
 
 
 def _checked_folder(out: str, config: Config):

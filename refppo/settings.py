@@ -8,7 +8,7 @@ import dataclasses
 
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import in_range
-from refppo.config import Config, critic_setting, declarations, get_value, is_optional, owner_of
+from refppo.config import ActorConfig, Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.declare import Declaration, Site
 from refppo.losses import POLICY_LOSSES
 from refppo.rollout_correction import is_bounds, rs_thresholds
@@ -227,11 +227,29 @@ def _check_dapo_and_validation(config: Config) -> None:
     )
 
 
+def _check_policy_loss(a: ActorConfig) -> None:
+    """A policy loss's own settings, which it cannot work without."""
+    _require(
+        a.policy_loss not in ("gspo", "sapo", "geo_mean") or a.loss_agg_mode == "seq-mean-token-mean",
+        f"actor.policy_loss={a.policy_loss} averages its loss over each sequence, then over the sequences (verl "
+        "does so whatever its loss_agg_mode says): set actor.loss_agg_mode=seq-mean-token-mean",
+    )
+    _require(
+        a.policy_loss != "dro" or a.dro_beta is not None,
+        "actor.policy_loss=dro needs actor.dro_beta (verl's actor.policy_loss.dro_beta), a number > 0",
+    )
+    _require(
+        a.policy_loss != "clip_cov" or a.clip_cov_lb < a.clip_cov_ub,
+        f"actor.clip_cov_lb={a.clip_cov_lb} must be below actor.clip_cov_ub={a.clip_cov_ub}",
+    )
+
+
 def _check_combinations(config: Config) -> None:
     """Settings each valid alone that cannot work together."""
     _check_tiny_model(config.model)
     _check_task_size(config.data)
     _check_dapo_and_validation(config)
+    _check_policy_loss(config.actor)
     d, a, r, alg, t, rm = (
         config.data,
         config.actor,
@@ -261,23 +279,10 @@ def _check_combinations(config: Config) -> None:
         "use >= 2 responses",
     )
     _require(
-        a.policy_loss not in ("gspo", "sapo", "geo_mean") or a.loss_agg_mode == "seq-mean-token-mean",
-        f"actor.policy_loss={a.policy_loss} averages its loss over each sequence, then over the sequences (verl "
-        "does so whatever its loss_agg_mode says): set actor.loss_agg_mode=seq-mean-token-mean",
-    )
-    _require(
         not ADV_ESTIMATORS.takes(alg.adv_estimator, "index") or r.n >= 2,
         f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt: set rollout.n >= 2",
     )
     _require(not (rm.enable and rm.model.path is None), "reward_model.enable=true needs reward_model.model.path")
-    _require(
-        a.policy_loss != "dro" or a.dro_beta is not None,
-        "actor.policy_loss=dro needs actor.dro_beta (verl's actor.policy_loss.dro_beta), a number > 0",
-    )
-    _require(
-        a.policy_loss != "clip_cov" or a.clip_cov_lb < a.clip_cov_ub,
-        f"actor.clip_cov_lb={a.clip_cov_lb} must be below actor.clip_cov_ub={a.clip_cov_ub}",
-    )
     _require(
         "console" in t.logger,
         f"trainer.logger={','.join(t.logger)}: refppo always reports on the console (trainer.progress_bar=false "
