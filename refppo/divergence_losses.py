@@ -12,7 +12,7 @@ import torch
 
 from refppo.checks import check_number, checks_once
 from refppo.functional import masked_mean
-from refppo.losses import agg_loss, check_loss_inputs, clip_bounds, register_policy_loss
+from refppo.losses import agg_loss, check_pair_inputs, clip_bounds, register_policy_loss
 
 
 def _dppo(old_log_prob, log_prob, advantages, response_mask, kept, clip_ratio_c, rollout_is_weights, agg):
@@ -69,8 +69,7 @@ def compute_policy_loss_dppo_tv(
         metrics: ``actor/pg_clipfrac`` (tokens left out), ``actor/ppo_kl`` and
         ``actor/pg_clipfrac_lower`` (kept tokens whose ratio was truncated).
     """
-    tensors = dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_loss_inputs(response_mask, **tensors, rollout_is_weights=rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     moved = torch.exp(log_prob) - torch.exp(old_log_prob)
     kept = torch.where(advantages > 0, moved <= high, moved >= -low)
@@ -105,8 +104,7 @@ def compute_policy_loss_dppo_kl(
     Returns:
         pg_loss and metrics as :func:`compute_policy_loss_dppo_tv`.
     """
-    tensors = dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_loss_inputs(response_mask, **tensors, rollout_is_weights=rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     p, q = torch.exp(old_log_prob), torch.exp(log_prob)
     binary_kl = p * (old_log_prob - log_prob) + (1 - p) * torch.log((1.0 - p + 1e-8) / (1.0 - q + 1e-8))
@@ -140,8 +138,7 @@ def compute_policy_loss_dro(
         pg_loss: scalar, and ``actor/ppo_kl`` (the only metric verl logs for it).
     """
     check_number("dro_beta", dro_beta, "(0, inf)")
-    tensors = dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_loss_inputs(response_mask, **tensors, rollout_is_weights=rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = log_prob - old_log_prob
     pg_losses = -(log_prob * advantages - 0.5 * dro_beta * log_ratio.square())
     if rollout_is_weights is not None:

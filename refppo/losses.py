@@ -43,6 +43,23 @@ def check_loss_inputs(response_mask: torch.Tensor, **tensors: torch.Tensor) -> N
     )
 
 
+def check_pair_inputs(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> None:
+    """:func:`check_loss_inputs` for a policy loss that compares the new policy with the old.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, T).
+        rollout_is_weights: optional (batch, T) weights >= 0.
+    """
+    tensors = dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
+    check_loss_inputs(response_mask, **tensors, rollout_is_weights=rollout_is_weights)
+
+
 def _agg_loss(
     loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float | None = None
 ) -> torch.Tensor:
@@ -200,13 +217,7 @@ def compute_policy_loss(
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None:
         check_number("clip_ratio_c", clip_ratio_c, "(1, inf)")
-    check_loss_inputs(
-        response_mask,
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        rollout_is_weights=rollout_is_weights,
-    )
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
 
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -268,7 +279,7 @@ def compute_ppo_penalty_loss(
         beta controller.
     """
     check_number("penalty_kl_coef", penalty_kl_coef, "[0, inf)")
-    check_loss_inputs(response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)
     loss = _agg_loss(-advantages * ratio + penalty_kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)

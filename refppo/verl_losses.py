@@ -11,7 +11,7 @@ import torch
 
 from refppo.checks import check_number, checks_once
 from refppo.functional import masked_mean, masked_sum
-from refppo.losses import agg_loss, check_loss_inputs, clip_bounds, register_policy_loss
+from refppo.losses import agg_loss, check_loss_inputs, check_pair_inputs, clip_bounds, register_policy_loss
 
 
 def _metrics(clipped, log_ratio, response_mask, clipped_lower=None) -> dict[str, torch.Tensor]:
@@ -25,17 +25,6 @@ def _metrics(clipped, log_ratio, response_mask, clipped_lower=None) -> dict[str,
     lower = torch.zeros((), device=log_ratio.device) if clipped_lower is None else share(clipped_lower)
     kl = masked_mean(-log_ratio, response_mask).detach()
     return {"actor/pg_clipfrac": share(clipped), "actor/ppo_kl": kl, "actor/pg_clipfrac_lower": lower}
-
-
-def _check_pair(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights) -> None:
-    """The checks of a loss that compares the new policy with the old (:func:`check_loss_inputs`)."""
-    check_loss_inputs(
-        response_mask,
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        rollout_is_weights=rollout_is_weights,
-    )
 
 
 @register_policy_loss("gspo")
@@ -70,7 +59,7 @@ def compute_policy_loss_gspo(
         and ``actor/pg_clipfrac_lower`` (0: no dual clip), as verl logs them.
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    _check_pair(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = log_prob - old_log_prob
     lengths = response_mask.sum(dim=-1).clamp(min=1)
     seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths
@@ -116,7 +105,7 @@ def compute_policy_loss_sapo(
     """
     check_number("tau_pos", tau_pos, "(0, inf)")
     check_number("tau_neg", tau_neg, "(0, inf)")
-    _check_pair(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     tau = torch.full_like(advantages, tau_neg).masked_fill(advantages > 0, tau_pos)
     gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
@@ -160,7 +149,7 @@ def compute_policy_loss_geo_mean(
         tokens whose log-ratio left its bounds where A > 0 and A < 0.
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    _check_pair(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = log_prob - old_log_prob
     sign = torch.sign(advantages)
     clamped = torch.clamp(log_ratio, -low, high)
@@ -205,7 +194,7 @@ def compute_policy_loss_cispo(
         ``actor/pg_clipfrac_lower`` (0).
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    _check_pair(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - low, 1 + high)
@@ -294,7 +283,7 @@ def compute_policy_loss_clip_cov(
     check_number("clip_cov_ratio", clip_cov_ratio, "(0, 1]")
     check_number("clip_cov_lb", clip_cov_lb, "(-inf, inf)")
     check_number("clip_cov_ub", clip_cov_ub, f"({clip_cov_lb}, inf)")
-    _check_pair(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     pg_losses1 = -advantages * ratio
@@ -348,7 +337,7 @@ def compute_policy_loss_kl_cov(
     """
     check_number("kl_cov_ratio", kl_cov_ratio, "(0, 1]")
     check_number("ppo_kl_coef", ppo_kl_coef, "[0, inf)")
-    _check_pair(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = log_prob - old_log_prob
     valid = response_mask > 0
     cov = _covariance(advantages, log_prob, response_mask).detach().masked_fill(~valid, -torch.inf)

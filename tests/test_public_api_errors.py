@@ -124,6 +124,7 @@ GOOD = {
         clip_ratio=0.2, clip_ratio_low=3e-4, clip_ratio_high=4e-4, rollout_is_weights=_x(4).abs()
     ),
     "check_loss_inputs": lambda: dict(response_mask=_mask(), advantages=_x(1), rollout_is_weights=_x(2).abs()),
+    "check_pair_inputs": lambda: _pair(rollout_is_weights=_x(4).abs()),
     "clip_bounds": lambda: dict(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28),
     "compute_policy_loss_sapo": lambda: _pair(tau_pos=1.0, tau_neg=1.05, rollout_is_weights=_x(4).abs()),
     "compute_policy_loss_geo_mean": lambda: _pair(
@@ -274,6 +275,7 @@ VALID = {
     ("compute_policy_loss_dro", "rollout_is_weights", "None"),
     ("compute_policy_loss_dro", "loss_scale_factor", "None"),
     ("compute_policy_loss_gpg", "rollout_is_weights", "None"),
+    ("check_pair_inputs", "rollout_is_weights", "None"),
     ("compute_policy_loss_kl_cov", "rollout_is_weights", "None"),
     # a covariance bound may be any number (the window is refused only when empty)
     ("compute_policy_loss_clip_cov", "clip_cov_lb", "-1"),
