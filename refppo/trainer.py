@@ -428,8 +428,11 @@ class PPOTrainer:
             return
         state = {"step": self.step, "kl_ctrl": vars(self.kl_ctrl).copy(), "sampler": self.sampler.state_dict()}
         state |= {f"{name}_sched": sched.state_dict() for name, (_, _, sched) in self._roles().items()}
-        state |= {"shuffle_gen": self.shuffle_gen.get_state(), "torch_rng": torch.get_rng_state()}
-        state["python_rng"] = random.getstate()
+        state |= {
+            "shuffle_gen": self.shuffle_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
         torch.save(state, folder / STATE_FILE)
 
     def load_checkpoint(self, folder: Path, state: dict) -> None:
