@@ -4,9 +4,9 @@ actor micro-batch's forward + backward, as the update runs it.
 Two copies of one workload's actor (``bench_ppo_step.py``'s shapes, random weights), one with
 checkpointing; a left-padded micro-batch of ``--rows`` rows x (prompt + response) tokens (one
 row padded, so the passes carry a mask as a PPO batch's do). Reports the peak bytes of the
-tensors the pass allocates (``refppo.memory.PeakMeter``; the weights excluded) beside
-``refppo.memory.activation_bytes``'s arithmetic, and the median time of alternating repeats;
-asserts that both give the same gradient (bit for bit on a CPU).
+tensors the pass allocates (``refppo.memory.PeakMeter``; the weights excluded) beside the
+arithmetic (``refppo.memory.activation_bytes``, ``refppo.accel.checkpointing.checkpointed_activation_bytes``),
+and the median time of alternating repeats; asserts that both give the same gradient (bit for bit on a CPU).
 Usage: python benchmarks/bench_checkpointing.py [--workload W2|W3|Q] [--rows N] [--device cpu|cuda]
        [--repeats 7] [--threads T]
 """
@@ -19,7 +19,7 @@ from bench_args import positive_int
 from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result)
 from bench_ppo_step import WORKLOADS, workload_model
 
-from refppo.accel.checkpointing import enable_gradient_checkpointing
+from refppo.accel.checkpointing import checkpointed_activation_bytes, enable_gradient_checkpointing
 from refppo.forward import response_log_probs
 from refppo.memory import PeakMeter, activation_bytes
 from refppo.models import load_causal_lm
@@ -84,7 +84,8 @@ def main():
     )
     for checkpointed in (False, True):
         t = times[checkpointed]
-        act = activation_bytes(config, tokens, rows * (w["response_len"] + 1), 4, seq_len, checkpointing=checkpointed)
+        estimate = checkpointed_activation_bytes if checkpointed else activation_bytes
+        act = estimate(config, tokens, rows * (w["response_len"] + 1), 4, seq_len)
         arithmetic = f" (float32 activations' arithmetic {act / 2**20:,.0f} MiB)" if args.device == "cpu" else ""
         print(
             f"{'checkpointed' if checkpointed else 'plain':12s}: peak {peaks[checkpointed] / 2**20:,.0f} "

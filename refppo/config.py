@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from refppo import divergence_losses, verl_losses  # noqa: F401  (register verl's other policy losses, which config names)
+from refppo import divergence_losses, verl_advantages, verl_losses  # noqa: F401  (register verl's other estimators and losses, which config names)
 from refppo.advantages import ADV_ESTIMATORS
 from refppo.conditions import (
     ACTOR_NORM,

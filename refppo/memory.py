@@ -73,9 +73,17 @@ def state_bytes(
     return {"weights": share * weights, "gradients": share * grads, "optimizer": share * optimizer}
 
 
-def _layer_values(config, seq_len: int | None) -> tuple[int, int]:
-    """Values one decoder layer keeps per token, and how many of them are float32 whatever the
-    weights' dtype (see :func:`activation_values_per_token`)."""
+def layer_values(config, seq_len: int | None = None) -> tuple[int, int]:
+    """Values one decoder layer keeps per token for the backward pass, and how many of them are
+    float32 whatever the weights' dtype (see :func:`activation_values_per_token`).
+
+    Args:
+        config: a Llama- or Qwen2-style ``PretrainedConfig``.
+        seq_len: the padded width of a micro-batch that carries an attention mask; None without one.
+
+    Returns:
+        (values, float32 values), per token.
+    """
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: a masked micro-batch is at least one token wide (None: no mask)")
     h, i, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
@@ -85,7 +93,7 @@ def _layer_values(config, seq_len: int | None) -> tuple[int, int]:
     return 2 * (3 * h + 1) + q + 2 * kv + q + heads + 4 * i + (seq_len or 0), 2 * (h + 1) + heads
 
 
-def activation_values_per_token(config, seq_len: int | None = None, checkpointing: bool = False) -> int:
+def activation_values_per_token(config, seq_len: int | None = None) -> int:
     """Values a Llama/Qwen2 decoder (``transformers``, SDPA attention) saves for the backward
     pass per token of a training forward, the vocabulary logits aside.
 
@@ -98,57 +106,42 @@ def activation_values_per_token(config, seq_len: int | None = None, checkpointin
     transformers copies k and v to every query head (``repeat_kv``) before attention and keeps the
     copies, and each layer keeps the mask in the compute dtype: ``seq_len`` values per token.
     Besides these, a micro-batch keeps the rotary tables (cos and sin: 2 x sequence length x
-    head_dim values, shared by its rows). With activation checkpointing
-    (``refppo.models.enable_gradient_checkpointing``) a layer keeps only its input (h values) and
-    the backward pass recomputes the rest one layer at a time (:func:`activation_bytes` counts
-    that layer); the layers' checkpoints then also hold the positions and, with a mask, the mask
-    as booleans (``seq_len`` bytes per token), once. Some of these values are float32 whatever
-    the weights' dtype (:func:`float32_values_per_token`). Checked to the byte against a CPU's
-    forward pass (``tests/test_memory.py``); a GPU's attention kernels may keep a little more.
+    head_dim values, shared by its rows). Some of these values are float32 whatever the weights'
+    dtype (:func:`float32_values_per_token`). Activation checkpointing keeps fewer
+    (:func:`refppo.accel.checkpointing.checkpointed_activation_bytes`). Checked to the byte against
+    a CPU's forward pass (``tests/test_memory.py``); a GPU's attention kernels may keep a little more.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
         seq_len: the padded width of a micro-batch that carries an attention mask; None for a pass
             without one.
-        checkpointing: the layers are checkpointed.
 
     Returns:
         Values per token (multiply by tokens and bytes per value: :func:`activation_bytes`).
     """
-    per_layer, _ = _layer_values(config, seq_len)
-    h = config.hidden_size
-    return config.num_hidden_layers * (h if checkpointing else per_layer) + 3 * h + 1
+    per_layer, _ = layer_values(config, seq_len)
+    return config.num_hidden_layers * per_layer + 3 * config.hidden_size + 1
 
 
-def float32_values_per_token(config, checkpointing: bool = False) -> int:
+def float32_values_per_token(config) -> int:
     """Of :func:`activation_values_per_token`, the values kept in float32 even by a model whose
     weights are bf16: each RMSNorm works on a float32 copy of its input and keeps it and the
     inverse RMS (h + 1), and attention keeps its log-sum-exp per head in float32.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
-        checkpointing: the layers are checkpointed (only the final RMSNorm's are kept then).
 
     Returns:
         Values per token.
     """
-    _, per_layer = _layer_values(config, None)
-    return (0 if checkpointing else config.num_hidden_layers * per_layer) + config.hidden_size + 1
+    _, per_layer = layer_values(config, None)
+    return config.num_hidden_layers * per_layer + config.hidden_size + 1
 
 
 def activation_bytes(
-    config,
-    tokens: int,
-    logit_tokens: int,
-    bytes_per_value: int = 2,
-    seq_len: int | None = None,
-    checkpointing: bool = False,
+    config, tokens: int, logit_tokens: int, bytes_per_value: int = 2, seq_len: int | None = None
 ) -> int:
-    """Bytes of activations a training step holds: what the forward pass keeps for the backward
-    pass and, with activation checkpointing, one layer's values while the backward pass
-    recomputes that layer. The backward pass frees the vocabulary rows before it recomputes the
-    first layer, so with checkpointing this is what to budget for, above the true peak of the
-    activations by at most the smaller of the two.
+    """Bytes of activations a training step holds: what the forward pass keeps for the backward pass.
 
     Args:
         config: a Llama- or Qwen2-style ``PretrainedConfig``.
@@ -160,19 +153,30 @@ def activation_bytes(
             bf16 autocast over float32 weights keeps another mix, not counted here.
         seq_len: the micro-batch's padded width when it carries an attention mask (see
             :func:`activation_values_per_token`); None without one.
-        checkpointing: the layers are checkpointed (``refppo.models.enable_gradient_checkpointing``).
 
     Returns:
         Bytes: the decoder's activations plus one float32 vocabulary row per logit position
         (the log-softmax works in float32).
     """
+    values, wide = activation_values_per_token(config, seq_len), float32_values_per_token(config)
+    return bytes_of_values(config, tokens, logit_tokens, values, wide, bytes_per_value)
+
+
+def bytes_of_values(config, tokens: int, logit_tokens: int, values: int, wide: int, bytes_per_value: int) -> int:
+    """Bytes of ``values`` per token over ``tokens`` tokens, ``wide`` of them float32, plus one
+    float32 vocabulary row per logit position.
+
+    Args:
+        config: a ``PretrainedConfig`` (its ``vocab_size``).
+        tokens, logit_tokens: as :func:`activation_bytes`.
+        values, wide: values kept per token, and how many of them are float32.
+        bytes_per_value: 4 (float32 weights) or 2 (bf16 weights).
+
+    Returns:
+        Bytes.
+    """
     if bytes_per_value not in (2, 4):
         raise ValueError(f"bytes_per_value={bytes_per_value}; valid: 4 (float32) or 2 (bf16 weights)")
-    values = activation_values_per_token(config, seq_len, checkpointing)
-    wide = float32_values_per_token(config, checkpointing)
-    if checkpointing:  # the layer whose forward the backward pass is recomputing
-        layer, layer_wide = _layer_values(config, seq_len)
-        values, wide = values + layer, wide + layer_wide
     return tokens * (values * bytes_per_value + wide * (4 - bytes_per_value)) + logit_tokens * config.vocab_size * 4
 
 

@@ -184,13 +184,13 @@ BUGS += [  # the estimators and losses from verl 0.9's registry
         "running = g",
     ),
     (
-        "advantages.py",
+        "verl_advantages.py",
         "REINFORCE++-baseline: no baseline",
         "centred = scores - _group_mean(n, total)",
         "centred = scores",
     ),
     (
-        "advantages.py",
+        "verl_advantages.py",
         "GPG: alpha left out",
         "alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)",
         "alpha = 1.0",

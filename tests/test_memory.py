@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from refppo.accel.checkpointing import enable_gradient_checkpointing
+from refppo.accel.checkpointing import (
+    checkpointed_activation_bytes,
+    checkpointed_values_per_token,
+    enable_gradient_checkpointing,
+)
 from refppo.forward import response_log_probs
 from refppo.memory import (
     SYNTHETIC_RECORD_BYTES,
@@ -122,9 +126,8 @@ def test_a_checkpointed_forward_keeps_each_layers_input(arch, padded, dtype):
     kept, config, ids = _forward_kept(arch, padded, dtype, checkpointed=True)
     rows, width = ids.shape
     size = torch.finfo(dtype).bits // 8
-    values = activation_values_per_token(config, width if padded else None, checkpointing=True)
+    values, wide = checkpointed_values_per_token(config)
     assert values == config.num_hidden_layers * config.hidden_size + 3 * config.hidden_size + 1
-    wide = float32_values_per_token(config, checkpointing=True)
     # the rotary tables, int64 positions, and a bool per (query, key) with padding
     shared = _rotary(config, width, size) + width * 8 + (rows * width * width if padded else 0)
     assert kept == ids.numel() * (values * size + wide * (4 - size)) + shared
@@ -196,13 +199,11 @@ def test_a_checkpointed_update_peaks_near_the_layers_inputs_and_one_layer():
     rows, width = batch["responses"].shape
     tokens, seq_len = batch["input_ids"].numel(), batch["input_ids"].shape[1]
     act = {
-        ckpt: activation_bytes(
-            config, tokens, rows * (width + 1), bytes_per_value=4, seq_len=seq_len, checkpointing=ckpt
-        )
-        for ckpt in (False, True)
+        False: activation_bytes(config, tokens, rows * (width + 1), bytes_per_value=4, seq_len=seq_len),
+        True: checkpointed_activation_bytes(config, tokens, rows * (width + 1), bytes_per_value=4, seq_len=seq_len),
     }
-    inputs = tokens * activation_values_per_token(config, seq_len, checkpointing=True) * 4
-    layer = activation_bytes(config, tokens, 0, bytes_per_value=4, seq_len=seq_len, checkpointing=True) - inputs
+    inputs = tokens * checkpointed_values_per_token(config)[0] * 4
+    layer = checkpointed_activation_bytes(config, tokens, 0, bytes_per_value=4, seq_len=seq_len) - inputs
     rows_bytes = rows * (width + 1) * config.vocab_size * 4
     assert act[True] == inputs + layer + rows_bytes
     bound = act[True] + held_bytes(model)["gradients"] + tokens * config.hidden_size * 4

@@ -15,10 +15,30 @@ import math
 import pytest
 import torch
 
-from refppo import advantages, divergence_losses, functional, kl, losses, rewards, rollout_correction, verl_losses
+from refppo import (
+    advantages,
+    divergence_losses,
+    functional,
+    kl,
+    losses,
+    rewards,
+    rollout_correction,
+    verl_advantages,
+    verl_losses,
+)
 from refppo.checks import NonFiniteError
 
-MODULES = (functional, advantages, losses, verl_losses, divergence_losses, kl, rewards, rollout_correction)
+MODULES = (
+    functional,
+    advantages,
+    verl_advantages,
+    losses,
+    verl_losses,
+    divergence_losses,
+    kl,
+    rewards,
+    rollout_correction,
+)
 B, T = 3, 4
 
 

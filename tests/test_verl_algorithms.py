@@ -12,18 +12,20 @@ import torch
 from refppo.advantages import (
     ADV_ESTIMATORS,
     compute_gae_advantage_return,
-    compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
-    compute_grpo_passk_outcome_advantage,
-    compute_opo_outcome_advantage,
-    compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
-    compute_remax_outcome_advantage,
     needs_critic,
 )
 from refppo.divergence_losses import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv, compute_policy_loss_dro
 from refppo.losses import POLICY_LOSSES, compute_policy_loss
 from refppo.rewards import place_score_on_last_token
+from refppo.verl_advantages import (
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_remax_outcome_advantage,
+)
 from refppo.verl_losses import (
     compute_policy_loss_cispo,
     compute_policy_loss_clip_cov,
