@@ -82,6 +82,11 @@ def check_ndim(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
+# Logits are divided by the temperature in float32. Below this the division can overflow (and
+# under 1.2e-38 the temperature is not even a normal float32); it is greedy in all but name.
+TEMPERATURES = "[1e-6, inf)"
+
+
 def in_range(value: float, spec: str) -> bool:
     """Whether ``value`` lies in ``spec``: intervals such as "[0, 1)" or "(0, inf]" and single
     numbers, joined by " or ". NaN lies in none."""

@@ -32,12 +32,12 @@ from refppo.device import resolve_device
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
 from refppo.loggers import check_installed
 from refppo.memory import SYNTHETIC_RECORD_BYTES
-from refppo.model_folder import check_model_folder, check_same_tokenizer, check_vocabulary
+from refppo.model_folder import check_lora_rank, check_model_folder, check_same_tokenizer, check_vocabulary
 from refppo.overrides import command_settings
 from refppo.prompts import tokenize_records
 from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary
 from refppo.settings import format_value, ignored_settings, read_settings, valid_text, validate
-from refppo.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit
+from refppo.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit, check_tiny_model_fits
 from refppo.tasks import preference
 from refppo.verl_map import verl_command
 from refppo.verl_names import translate
@@ -94,14 +94,16 @@ def _model_folders(config: Config, command: str) -> list[tuple[str, str]]:
 def checked_tokenizer(config: Config, command: str):
     """Check every model folder ``command`` loads (:func:`refppo.model_folder.check_model_folder`)
     and return the tokenizer of ``model.path`` (the offline tasks' one without it), refusing one
-    with tokens the models have no embedding for, and a critic or reward model whose own tokenizer
-    differs from it."""
+    with tokens the models have no embedding for, a critic or reward model whose own tokenizer
+    differs from it, and a LoRA rank above the actor's hidden size."""
     folders = _model_folders(config, command)
     positions = config.data.max_prompt_length + config.data.max_response_length if command == "ppo" else None
     specs = {
         key: check_model_folder(path, key, head=False if key == "model.path" else None, positions=positions)
         for key, path in folders
     }
+    if command == "ppo" and config.model.path is not None:
+        check_lora_rank(config.model.lora_rank, specs["model.path"], config.model.path)
     tokenizer = load_tokenizer(config.model.path)
     for key, path in folders:
         if isinstance(specs[key].get("vocab_size"), int):
@@ -132,6 +134,8 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
 
     tokenizer = checked_tokenizer(config, "sft")
     m = config.model
+    if m.path is None:
+        check_tiny_model_fits(config, len(tokenizer), device)
     source = m.path or tiny_config(
         tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
     )

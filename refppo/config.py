@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from refppo import divergence_losses, verl_advantages, verl_losses  # noqa: F401  (register verl's other estimators and losses, which config names)
 from refppo.advantages import ADV_ESTIMATORS
+from refppo.checks import TEMPERATURES
 from refppo.conditions import (
     ACTOR_NORM,
     ARITHMETIC,
@@ -209,7 +210,7 @@ class ValKwargsConfig:
     top_k: int = setting(-1, "-1 or [1, inf)", needs=VAL_SAMPLING, resumable=True)
     top_p: float = setting(1.0, "(0, 1]", needs=VAL_SAMPLING, resumable=True)
     # verl's engine decodes greedily at 0; refppo asks for do_sample=false instead
-    temperature: float = setting(0.0, NONNEG, needs=VAL_SAMPLING, resumable=True)
+    temperature: float = setting(0.0, f"0 or {TEMPERATURES}", needs=VAL_SAMPLING, resumable=True)
     n: int = setting(1, COUNT, needs=VAL_SAMPLING, resumable=True)
     do_sample: bool = setting(False, resumable=True)
 
@@ -219,7 +220,7 @@ class RolloutConfig:
     """``rollout.*`` (verl's ``actor_rollout_ref.rollout.*``): sampling, and the micro-batch of the
     old-log-prob pass."""
 
-    temperature: float = setting(1.0, POSITIVE)
+    temperature: float = setting(1.0, TEMPERATURES)
     top_k: int = setting(-1, "-1 or [1, inf)")
     top_p: float = setting(1.0, "(0, 1]")
     n: int = setting(1, COUNT)  # responses per prompt (GRPO / RLOO groups)

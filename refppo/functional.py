@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from refppo.checks import (
+    TEMPERATURES,
     check_flag,
     check_ndim,
     check_number,
@@ -147,7 +148,7 @@ def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None, temperature
     check_tensors(logits=logits)
     if logits.dim() < 2:
         raise ValueError(f"logits must be (..., vocab), got shape {tuple(logits.shape)}")
-    check_number("temperature", temperature, "(0, inf)")
+    check_number("temperature", temperature, TEMPERATURES)
     if labels is None:
         return
     check_tensors(logits=logits, labels=labels)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refppo.checks import check_ndim, check_number, check_same_shape, checks_once
+from refppo.checks import TEMPERATURES, check_ndim, check_number, check_same_shape, checks_once
 from refppo.device import autocast
 from refppo.functional import logprobs_from_logits
 from refppo.prompts import position_ids_from_mask, sequence_batch
@@ -106,7 +106,7 @@ def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_t
         )
     if max_new_tokens < 1 or n < 1:
         raise ValueError(f"max_new_tokens and n must be >= 1, got {max_new_tokens} and {n}")
-    check_number("temperature", temperature, "(0, inf)")
+    check_number("temperature", temperature, TEMPERATURES)
     check_number("top_p", top_p, "(0, 1]")
     mask = attention_mask.long()
     bad = ((mask != 0) & (mask != 1)).any() | (mask.diff(dim=1) < 0).any() | (mask[:, -1] != 1).any()

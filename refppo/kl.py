@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_choice, check_number, check_same_shape, check_values, checks_once
+from refppo.checks import TEMPERATURES, check_choice, check_number, check_same_shape, check_values, checks_once
 from refppo.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator")
@@ -117,7 +117,7 @@ def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float =
     check_same_shape(logits=logits, ref_logits=ref_logits)
     if logits.dim() < 1:
         raise ValueError("logits must be (..., vocab), got a scalar")
-    check_number("temperature", temperature, "(0, inf)")
+    check_number("temperature", temperature, TEMPERATURES)
     check_values(finite={"logits": logits, "ref_logits": ref_logits})
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     ref_logp = torch.log_softmax(ref_logits.float() / temperature, dim=-1)

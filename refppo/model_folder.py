@@ -142,6 +142,18 @@ def check_model_folder(
     return config
 
 
+def check_lora_rank(rank: int, spec: dict, path: str | os.PathLike) -> None:
+    """Refuse ``model.lora_rank`` above the hidden size in ``spec`` (``path``'s ``config.json``):
+    every linear layer LoRA adapts reads or writes the hidden state, so a higher rank adds
+    parameters (and memory) without adding rank."""
+    hidden = spec.get("hidden_size")
+    if isinstance(hidden, int) and rank > hidden:
+        raise ValueError(
+            f"model.lora_rank={rank} is above the hidden size {hidden} of {os.fspath(path)}: an adapter of every "
+            f"linear layer has rank at most {hidden}; make it at most {hidden}"
+        )
+
+
 def check_vocabulary(tokenizer, embeddings: int, key: str, path: str | os.PathLike) -> None:
     """Refuse a tokenizer with more tokens than the model has embedding rows, beyond the one pad
     token :func:`refppo.models.prepare_tokenizer` may add (the rest would be random rows).

@@ -5,6 +5,7 @@ possible at all (:func:`validate`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import in_range
@@ -88,6 +89,9 @@ def ignored_message(setting: str, key: str, needs: str) -> str:
     return f"{setting} is ignored: {key} is read only with {needs}. Set that, or drop {key}"
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; a larger setting overflows there
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -109,6 +113,12 @@ def _check_values(config: Config) -> None:
                     continue  # a number's text form (IcePop's "lower_upper") is read by its own parser
                 null = " (or null)" if is_optional(config, key) else ""
                 _require(in_range(item, d.valid), f"{key}={item} is outside its valid range {d.valid}{null}")
+                no_bound = "; for no bound give inf" if d.valid.endswith("inf]") else ""
+                _require(
+                    not isinstance(item, float) or math.isinf(item) or abs(item) <= FLOAT32_MAX,
+                    f"{key}={item} is above float32's largest value {FLOAT32_MAX:.4g}: it would overflow in the "
+                    f"float32 tensors it enters{no_bound}",
+                )
 
 
 def _check_batches(config: Config) -> None:

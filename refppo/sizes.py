@@ -10,7 +10,7 @@ import torch
 
 from refppo.config import Config
 from refppo.distributed import World
-from refppo.memory import rollout_bytes
+from refppo.memory import TRAINED_BYTES, rollout_bytes
 
 
 def machine_bytes(device: torch.device) -> int:
@@ -59,6 +59,16 @@ def check_rollouts_fit(config: Config, world: World, device) -> None:
         (d.val_size, f"data.val_size={d.val_size}"),
     ):
         check_generation_fits(config, model_config, rows, what, world, device)
+
+
+def check_tiny_model_fits(config: Config, vocab_size: int, device) -> None:
+    """Refuse, before it is built, a fresh tiny model (the ``model.*`` sizes) whose training state
+    would not fit this device. A lower bound: each layer's query and output projections (h x h
+    each) and the embeddings (vocabulary x h), at AdamW's 16 bytes a trained parameter."""
+    m = config.model
+    params = m.num_hidden_layers * 2 * m.hidden_size**2 + vocab_size * m.hidden_size
+    what = f"model.hidden_size={m.hidden_size} x model.num_hidden_layers={m.num_hidden_layers}"
+    check_fits(params * sum(TRAINED_BYTES["fp32"]), device, what)
 
 
 def check_batch_fits(batch_size: int, available: int, setting: str, data: str) -> None:

@@ -490,6 +490,16 @@ def test_bad_config_and_paths(tmp_path, capsys):
         ("sft", ["data.task=preference", "sft.n_examples=1000000000"], r"sft.n_examples=1000000000 needs at least"),
         ("rm", ["rm.n_pairs=1000000000"], r"rm.n_pairs=1000000000 needs at least"),
         ("rm", ["rm.n_pairs=10"], r"rm.batch_size=64 is more than the 10 comparisons"),
+        (
+            "sft",
+            ["model.num_hidden_layers=100000000000000000000000"],  # grew the fresh model until the OOM killer came
+            r"model.hidden_size=128 x model.num_hidden_layers=100000000000000000000000 needs at least .* GiB, more",
+        ),
+        (
+            "sft",
+            ["model.hidden_size=1048576"],
+            r"model.hidden_size=1048576 x model.num_hidden_layers=2 needs at least",
+        ),
     ],
 )
 def test_sizes_beyond_the_data_or_the_memory_are_refused_before_any_write(sft_run, tmp_path, command, extra, message):

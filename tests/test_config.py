@@ -67,7 +67,7 @@ def test_bad_values():
         (["algorithm.adv_estimator=vtrace"], "vtrace"),
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean' is not one of token-mean"),
         (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type='pid'"),
-        (["rollout.temperature=0"], "rollout.temperature=0.0 is outside its valid range \\(0, inf\\)"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0 is outside its valid range \\[1e-6, inf\\)"),
         (["algorithm.lam=1.5"], "algorithm.lam=1.5 is outside its valid range \\[0, 1\\]"),
         (["reward_model.enable=true"], "needs reward_model.model.path"),
         (["data.task=file"], "needs data.train_files"),
@@ -103,6 +103,13 @@ def test_bad_values():
         ),
         (["trainer.total_training_steps=5"], "trainer.critic_warmup=5 must be < trainer.total_training_steps=5"),
         (["actor.optim.lr=1e300"], r"actor.optim.lr=1e\+300 is outside its valid range \[0, 1e10\]"),
+        (
+            ["actor.clip_ratio_high=1e300"],
+            r"actor.clip_ratio_high=1e\+300 is above float32's largest value 3.403e\+38: it would overflow in the "
+            r"float32 tensors it enters$",
+        ),
+        (["actor.entropy_coeff=1e39"], r"actor.entropy_coeff=1e\+39 is above float32's largest value"),
+        (["critic.grad_clip=1e300"], r"float32 tensors it enters; for no bound give inf$"),
         (["sft.lr=1e11"], r"sft.lr=100000000000.0 is outside its valid range \(0, 1e10\]"),
         (["actor.optim.weight_decay=2"], r"actor.optim.weight_decay=2.0 is outside its valid range \[0, 1\]"),
         (["trainer.seed=4294967296"], "trainer.seed=4294967296 is outside its valid range \\[0, 4294967295\\]"),

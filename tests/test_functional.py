@@ -109,6 +109,19 @@ def test_logprobs_and_entropy_match_plain_loops(temperature):
             assert ent[i, t].item() == pytest.approx(-sum(math.exp(x) * x for x in ls), abs=1e-5)
 
 
+def test_a_temperature_that_would_overflow_the_scaled_logits_is_refused():
+    """logits / T in float32: 1e-300 rounds to 0 there (NaN log-probs); the floor, 1e-6, is greedy
+    in all but name and finite."""
+    logits, labels = torch.tensor([[30.0, -30.0, 0.0]]), torch.tensor([0])
+    for t in (1e-300, 1e-40, 9e-7):
+        with pytest.raises(ValueError, match=rf"temperature must be in \[1e-6, inf\), got {t}"):
+            logprobs_from_logits(logits, labels, t)
+        with pytest.raises(ValueError, match="temperature must be in"):
+            entropy_from_logits(logits, t)
+    assert logprobs_from_logits(logits, labels, 1e-6).item() == 0.0
+    assert entropy_from_logits(logits, 1e-6).item() == 0.0
+
+
 def test_gradients_match_float64_autograd():
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(2, 7, 13, generator=gen) * 2).requires_grad_()

@@ -194,7 +194,7 @@ def test_bad_input(tok, models):
         generate(actor, ids, mask, [eos], eos, 4)
     with pytest.raises(ValueError, match="left-padded"):
         generate(actor, ids, mask.flip(1), eos, pad, 4)
-    with pytest.raises(ValueError, match=r"temperature must be in \(0, inf\)"):
+    with pytest.raises(ValueError, match=r"temperature must be in \[1e-6, inf\)"):
         generate(actor, ids, mask, eos, pad, 4, temperature=0)
     with pytest.raises(ValueError, match="top_p must be in"):
         generate(actor, ids, mask, eos, pad, 4, top_p=1.5)

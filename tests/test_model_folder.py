@@ -10,7 +10,7 @@ from test_cli import QUICK_PPO, TINY
 from transformers import AutoTokenizer
 
 from refppo.cli import entry, main
-from refppo.model_folder import check_model_folder
+from refppo.model_folder import check_lora_rank, check_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,19 @@ def test_a_sharded_checkpoint_is_checked_shard_by_shard(sft_run, tmp_path):
 def test_a_good_folder_passes_and_gives_its_config(sft_run):
     config = check_model_folder(sft_run / "model", "model.path", head=False, positions=20)
     assert config["model_type"] == "llama" and config["max_position_embeddings"] >= 20
+
+
+def test_a_lora_rank_above_the_hidden_size_is_refused_before_any_write(sft_run, tmp_path, capsys, monkeypatch):
+    hidden = check_model_folder(sft_run / "model", "model.path")["hidden_size"]
+    check_lora_rank(hidden, {"hidden_size": hidden}, sft_run / "model")  # the largest rank that adds rank
+    out = tmp_path / "run"
+    for rank in (hidden + 1, 10**23):  # 10**23 overflowed inside torch
+        argv = ["refppo", "ppo", f"model.path={sft_run / 'model'}", f"trainer.output_dir={out}", *QUICK_PPO]
+        monkeypatch.setattr(sys, "argv", [*argv, f"model.lora_rank={rank}"])
+        assert entry() == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"refppo: error: model.lora_rank={rank} is above the hidden size {hidden} of {sft_run / 'model'}: an "
+            f"adapter of every linear layer has rank at most {hidden}; make it at most {hidden}\n"
+        )
+        assert not out.exists()

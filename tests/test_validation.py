@@ -153,6 +153,16 @@ def test_val_kwargs_sampling_needs_a_temperature():
     validate(apply_overrides(c, ["rollout.val_kwargs.temperature=0.7"]))
 
 
+@pytest.mark.parametrize("key", ["rollout.temperature", "rollout.val_kwargs.temperature"])
+def test_a_temperature_below_the_float32_floor_is_refused(key):
+    base = (
+        Config() if key == "rollout.temperature" else apply_overrides(Config(), ["rollout.val_kwargs.do_sample=true"])
+    )
+    with pytest.raises(ValueError, match=rf"{key}=1e-300 is outside its valid range (0 or )?\[1e-6, inf\)"):
+        validate(apply_overrides(base, [f"{key}=1e-300"]))
+    validate(apply_overrides(base, [f"{key}=1e-6"]))
+
+
 @pytest.mark.parametrize(
     "overrides, needs",
     [
