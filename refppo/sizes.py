@@ -44,7 +44,8 @@ def check_generation_fits(config: Config, model_config, rows: int, what: str, wo
     need = rollout_bytes(
         model_config, per_process, d.max_prompt_length, d.max_response_length, 2 if device.type == "cuda" else 4
     )
-    check_fits(need, device, what)
+    lengths = f"data.max_prompt_length={d.max_prompt_length} + data.max_response_length={d.max_response_length}"
+    check_fits(need, device, f"{what} at {lengths} tokens")
 
 
 def check_rollouts_fit(config: Config, world: World, device) -> None:

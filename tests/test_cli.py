@@ -474,8 +474,18 @@ def test_bad_config_and_paths(tmp_path, capsys):
 @pytest.mark.parametrize(
     "command, extra, message",
     [
-        ("ppo", ["rollout.n=1000000"], r"data.train_batch_size=8 x rollout.n=1000000 needs at least .* GiB, more than"),
-        ("ppo", ["data.task=preference", "data.val_size=1000000000"], r"data.val_size=1000000000 needs at least"),
+        (
+            "ppo",
+            ["rollout.n=1000000"],
+            r"data.train_batch_size=8 x rollout.n=1000000 at data.max_prompt_length=\d+ \+ "
+            r"data.max_response_length=4 tokens needs at least .* GiB, more than",
+        ),
+        ("ppo", ["data.task=preference", "data.val_size=1000000000"], r"data.val_size=1000000000 at .* needs at least"),
+        (
+            "sft",
+            ["data.max_prompt_length=100000000000000000000000"],
+            r"data.val_size \(scored after training\) at data.max_prompt_length=100000000000000000000000 \+ ",
+        ),
         (
             "ppo",
             ["data.task=preference", "data.train_batch_size=4004", "actor.ppo_mini_batch_size=4004"],
