@@ -75,8 +75,10 @@ def load_records(
     """
     if os.path.isdir(path):
         raise IsADirectoryError(f"dataset path {path!r} is a folder; give a .jsonl or .parquet file")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"dataset file {path!r} does not exist")
+    if not os.path.isfile(path):  # a device, a pipe or a socket: nothing to read records from twice
+        raise ValueError(f"dataset path {path!r} is not a regular file; give a .jsonl or .parquet file")
     if path.endswith(".parquet"):
         try:
             import pandas as pd

@@ -200,6 +200,7 @@ def returns_none(prompts, responses, records):
     "extra, error, message",
     [
         (["data.train_files=/nowhere/x.jsonl"], FileNotFoundError, "does not exist"),
+        (["data.train_files=/dev/null"], ValueError, "'/dev/null' is not a regular file"),
         (["data.train_files={bad}"], ValueError, "bad.jsonl:2 is not valid JSON"),
         (["data.train_files={nokey}"], ValueError, "nokey.jsonl:1: the record has no field 'prompt'"),
         (["data.train_files={latin1}"], ValueError, "latin1.jsonl:2 is not UTF-8 text"),

@@ -1,4 +1,4 @@
-"""Every numeric setting of `refppo ppo` and `refppo sft`, given a value at the edge of what a
+"""Every numeric setting of `refppo ppo`, `sft` and `rm`, given a value at the edge of what a
 float or an int can hold (1e300, 1e39, 1e-300, 10**23), is either refused with a ValueError that
 names it, before any write, or gets past every check: never another exception on the way."""
 
@@ -37,11 +37,13 @@ def sft_model(tmp_path_factory):
     return out / "model"
 
 
-@pytest.mark.parametrize("command", ["ppo", "sft"])
+@pytest.mark.parametrize("command", ["ppo", "sft", "rm"])
 def test_a_hostile_number_is_refused_by_name_or_passes_every_check(command, sft_model, tmp_path):
     keys = list(_numeric_settings())
     assert {"rollout.temperature", "model.lora_rank", "actor.clip_ratio_high", "trainer.seed"} <= set(keys)
-    out, base = tmp_path / "run", [f"model.path={sft_model}"] if command == "ppo" else []
+    out = tmp_path / "run"
+    base = {"ppo": [f"model.path={sft_model}"], "sft": [], "rm": [f"model.path={sft_model}", "data.task=preference"]}
+    base = base[command]
     started = 0
     for key in keys:
         for value in HOSTILE:
