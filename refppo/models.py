@@ -146,7 +146,23 @@ def _build(auto_cls, source, config: PretrainedConfig, tokenizer, device, dtype)
             missing = set(info["missing_keys"])
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
-    return model.to(device=device, dtype=dtype).eval(), missing
+    model = model.to(device=device, dtype=dtype).eval()
+    if missing is not None:
+        _check_finite(model, source)
+    return model, missing
+
+
+def _check_finite(model: PreTrainedModel, source) -> None:
+    """Refuse a checkpoint whose weights hold NaN or inf (a diverged run's): it would load, then
+    fail at the first step's checks once the run folder exists. One host sync for all tensors."""
+    names, params = zip(*model.named_parameters())
+    finite = torch.stack([torch.isfinite(p).all() for p in params]).tolist()
+    bad = [name for name, ok in zip(names, finite) if not ok]
+    if bad:
+        raise ValueError(
+            f"model folder {os.fspath(source)}: {len(bad)} of its {len(names)} weight tensors hold NaN or inf "
+            f"({bad[0]}{', ...' if len(bad) > 1 else ''}); the checkpoint is broken: train or save it again"
+        )
 
 
 def load_causal_lm(
@@ -165,7 +181,8 @@ def load_causal_lm(
             bf16, see :func:`refppo.device.autocast`), bf16 is fine for a frozen reference on CUDA.
 
     Returns:
-        A ``PreTrainedModel`` whose forward gives logits (batch, seq, vocab).
+        A ``PreTrainedModel`` whose forward gives logits (batch, seq, vocab). A folder whose
+        weights hold NaN or inf is refused (ValueError).
     """
     config = _config_without_dropout(source)
     return _build(AutoModelForCausalLM, source, config, tokenizer, device, dtype)[0]
@@ -224,6 +241,7 @@ def load_value_model(
 
     Returns:
         A model whose forward gives ``logits`` of shape (batch, seq, 1): one scalar per position.
+        A folder whose weights hold NaN or inf is refused (ValueError).
     """
     config = _config_without_dropout(source, num_labels=1)
     model, missing = _build(AutoModelForTokenClassification, source, config, tokenizer, device, dtype)

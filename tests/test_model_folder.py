@@ -6,11 +6,13 @@ import shutil
 import sys
 
 import pytest
+import torch
 from test_cli import QUICK_PPO, TINY
 from transformers import AutoTokenizer
 
 from refppo.cli import entry, main
 from refppo.model_folder import check_lora_rank, check_model_folder
+from refppo.models import load_causal_lm, load_value_model
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +159,25 @@ def test_a_lora_rank_above_the_hidden_size_is_refused_before_any_write(sft_run, 
             f"adapter of every linear layer has rank at most {hidden}; make it at most {hidden}\n"
         )
         assert not out.exists()
+
+
+def test_a_checkpoint_with_nan_weights_is_refused_before_any_write(sft_run, tmp_path, capsys, monkeypatch):
+    """A diverged run's model loads, then failed at step 1 with a traceback once the run folder
+    existed; now every loader refuses it, and the command in one line."""
+    folder = tmp_path / "nan"
+    model = load_causal_lm(sft_run / "model")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(sft_run / "model").save_pretrained(folder)
+    capsys.readouterr()  # the save's progress bar
+    message = r"1 of its \d+ weight tensors hold NaN or inf \(model.layers.0.mlp.up_proj.weight\)"
+    for load in (load_causal_lm, load_value_model):
+        with pytest.raises(ValueError, match=f"model folder {folder}: {message}"):
+            load(folder)
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["refppo", "ppo", f"model.path={folder}", f"trainer.output_dir={out}", *QUICK_PPO])
+    assert entry() == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(f"refppo: error: model folder {folder}: {message}; .*\n", err), err
+    assert not out.exists()
