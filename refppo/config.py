@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from refppo import divergence_losses, verl_advantages, verl_losses  # noqa: F401  (register verl's other estimators and losses, which config names)
 from refppo.advantages import ADV_ESTIMATORS
 from refppo.checks import TEMPERATURES
 from refppo.conditions import (

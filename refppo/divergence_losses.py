@@ -1,7 +1,7 @@
 """Policy losses from verl 0.9's registry that bound how far each token's probability moves rather
 than its ratio (ch 7): DPPO's total-variation and binary-KL masks, and DRO's squared log-ratio
 penalty. Each is registered under verl's name (``actor.policy_loss``) and equals verl's formula;
-``refppo.config`` imports this module, so a config can name them.
+the ``refppo`` package imports this module, so the registry holds them whatever is imported first.
 
 Per-token tensors are response-only, shape (batch, T), as in :mod:`refppo.losses`.
 """

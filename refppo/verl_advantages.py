@@ -1,7 +1,7 @@
 """Advantage estimators from verl 0.9's registry beyond the ones the book teaches (ch 7):
 REINFORCE++-baseline, GPG, ReMax, OPO and pass@k GRPO. Each is registered under verl's name
-(``algorithm.adv_estimator``) and equals verl's formula; ``refppo.config`` imports this module, so a
-config can name them.
+(``algorithm.adv_estimator``) and equals verl's formula; the ``refppo`` package imports this module,
+so the registry holds them whatever is imported first.
 
 Per-token tensors are response-only, shape (batch, T), as in :mod:`refppo.advantages`.
 """

@@ -1,6 +1,7 @@
 """Policy losses from verl 0.9's registry beyond PPO's clip and penalty (ch 7): GSPO, SAPO, CISPO,
 GMPO (``geo_mean``), GPG, Clip-Cov and KL-Cov. Each is registered under verl's name (``actor.policy_loss``) and equals
-verl's formula; ``refppo.config`` imports this module, so a config can name them.
+verl's formula; the ``refppo`` package imports this module, so the registry holds them whatever is
+imported first.
 
 Per-token tensors are response-only, shape (batch, T), as in :mod:`refppo.losses`.
 """

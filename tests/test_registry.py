@@ -2,6 +2,9 @@
 estimator, policy loss, KL estimator and model family, each a single definition that then works
 through the config and the trainer."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from _trainers import RECORDS, TOK, first_char_is_seven, make_trainer
@@ -49,6 +52,23 @@ def squared_log_ratio(logprob, ref_logprob):
 
 
 # ---- the registry itself ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "module, getter, name",
+    [
+        ("refppo.advantages", "get_adv_estimator_fn", "remax"),
+        ("refppo.advantages", "get_adv_estimator_fn", "grpo_passk"),
+        ("refppo.losses", "get_policy_loss_fn", "gspo"),
+        ("refppo.losses", "get_policy_loss_fn", "dppo_tv"),
+    ],
+)
+def test_verls_other_names_are_registered_whichever_module_is_imported_first(module, getter, name):
+    """A fresh interpreter that imports only the registry's own module still finds verl's other
+    estimators and losses (the package imports the modules that register them)."""
+    code = f"from {module} import {getter}; print({getter}({name!r}).__module__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() in ("refppo.verl_advantages", "refppo.verl_losses", "refppo.divergence_losses")
+
+
 def test_registry_rejects_duplicates_and_hidden_inputs_and_names_what_is_missing():
     reg = Registry("widget")
 
