@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from refppo.advantages import ADV_ESTIMATORS, needs_critic
 from refppo.checks import in_range
 from refppo.config import ActorConfig, Config, critic_setting, declarations, get_value, is_optional, owner_of
@@ -89,7 +91,7 @@ def ignored_message(setting: str, key: str, needs: str) -> str:
     return f"{setting} is ignored: {key} is read only with {needs}. Set that, or drop {key}"
 
 
-FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; a larger setting overflows there
+FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger setting overflows in the tensors it enters
 
 
 def _require(condition: bool, message: str) -> None:

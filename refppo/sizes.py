@@ -10,7 +10,7 @@ import torch
 
 from refppo.config import Config
 from refppo.distributed import World
-from refppo.memory import TRAINED_BYTES, rollout_bytes
+from refppo.memory import rollout_bytes, state_bytes
 
 
 def machine_bytes(device: torch.device) -> int:
@@ -69,7 +69,7 @@ def check_tiny_model_fits(config: Config, vocab_size: int, device) -> None:
     m = config.model
     params = m.num_hidden_layers * 2 * m.hidden_size**2 + vocab_size * m.hidden_size
     what = f"model.hidden_size={m.hidden_size} x model.num_hidden_layers={m.num_hidden_layers}"
-    check_fits(params * sum(TRAINED_BYTES["fp32"]), device, what)
+    check_fits(sum(state_bytes(params, precision="fp32").values()), device, what)
 
 
 def check_batch_fits(batch_size: int, available: int, setting: str, data: str) -> None:

@@ -18,8 +18,8 @@ def enable_gradient_checkpointing(model, setting: str = "model.enable_gradient_c
     decoder layer keeps only its input, and the backward pass recomputes the layer's forward from
     it, one layer at a time. The gradients are unchanged (bit for bit on a CPU); the activations
     shrink to the layers' inputs plus one layer's (:func:`checkpointed_activation_bytes`), for one
-    more forward pass of the decoder in every update. Passes in
-    eval mode (sampling, old log-probs, reference, values, scores) are unaffected.
+    more forward pass of the decoder in every update. Passes in eval mode (sampling, old
+    log-probs, reference, values, scores) are unaffected.
 
     Args:
         model: a causal LM, a LoRA actor or a scalar-head model (critic, reward model); changed
