@@ -10,15 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from refppo.checks import (
-    check_flag,
-    check_ndim,
-    check_number,
-    check_same_shape,
-    check_values,
-    checks_once,
-)
+from refppo.checks import check_flag, check_number, checks_once
 from refppo.functional import masked_whiten
+from refppo.inputs import check_outcome_inputs, checked_gae_inputs, checked_return_inputs, group_ids, work_dtype
 from refppo.registry import Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")
@@ -33,13 +27,6 @@ get_adv_estimator_fn = ADV_ESTIMATORS.get
 def needs_critic(adv_estimator: str) -> bool:
     """Whether the estimator registered as ``adv_estimator`` reads a critic's ``values``."""
     return ADV_ESTIMATORS.takes(adv_estimator, "values")
-
-
-def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 @register_adv_est("gae")
@@ -89,55 +76,14 @@ def compute_gae_advantage_return(
     return masked_whiten(advantages, m), returns
 
 
-def checked_gae_inputs(token_level_rewards, values, response_mask, gamma, lam) -> tuple[torch.Tensor, ...]:
-    """GAE's inputs checked (shapes, 0/1 mask, finite values at least 2 valid tokens, gamma and
-    lam in [0, 1]) and in one float dtype: float32, or wider if an input is."""
-    check_ndim("token_level_rewards", token_level_rewards, 2)
-    check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
-    check_number("gamma", gamma, "[0, 1]")
-    check_number("lam", lam, "[0, 1]")
-    check_values(
-        masks={"response_mask": response_mask},
-        finite={"token_level_rewards": token_level_rewards, "values": values},
-        min_valid=("response_mask", response_mask, 2),  # the whitening's unbiased variance
-    )
-    dtype = _work_dtype(token_level_rewards, values)
-    return token_level_rewards.to(dtype), values.to(dtype), response_mask.to(dtype)
-
-
-def _group_ids(index: Sequence | torch.Tensor, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Map group labels (prompt uids) to 0..G-1; returns ((batch,) long ids, G)."""
-    if isinstance(index, torch.Tensor) and index.dim() != 1 or not hasattr(index, "__len__"):
-        raise ValueError(f"index must be a (batch,) sequence of group labels, got {type(index).__name__}")
-    if len(index) != batch:
-        raise ValueError(f"index has {len(index)} entries but the batch has {batch} rows")
-    if isinstance(index, torch.Tensor):
-        if index.is_meta:  # another device is fine (the ids are moved), but meta holds no labels
-            raise ValueError("index is on the meta device: it holds no group labels")
-        uniq, ids = torch.unique(index, return_inverse=True)
-        return ids.to(device), len(uniq)
-    lookup: dict = {}
-    try:
-        ids = [lookup.setdefault(key, len(lookup)) for key in index]
-    except TypeError as error:
-        raise ValueError(f"index entries must be hashable group labels: {error}") from None
-    return torch.tensor(ids, dtype=torch.long, device=device), len(lookup)
-
-
 def _group_scores(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, min_valid: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row outcome scores and, per row, its group's count, sum and sum of squared deviations
     (the inputs checked, with at least ``min_valid`` valid tokens)."""
-    check_ndim("token_level_rewards", token_level_rewards, 2)
-    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    check_values(
-        masks={"response_mask": response_mask},
-        finite={"token_level_rewards": token_level_rewards},
-        min_valid=("response_mask", response_mask, min_valid) if min_valid else None,
-    )
-    scores = token_level_rewards.to(_work_dtype(token_level_rewards)).sum(dim=-1)
-    ids, n_groups = _group_ids(index, scores.shape[0], scores.device)
+    check_outcome_inputs(token_level_rewards, response_mask, min_valid)
+    scores = token_level_rewards.to(work_dtype(token_level_rewards)).sum(dim=-1)
+    ids, n_groups = group_ids(index, scores.shape[0], scores.device)
     count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
     total = torch.zeros_like(count).index_add_(0, ids, scores)
     mean = total / count
@@ -237,16 +183,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
         advantages: (batch, T) the returns whitened over the mask, 0 at masked positions.
         returns: (batch, T) G_t at valid positions, 0 elsewhere.
     """
-    check_ndim("token_level_rewards", token_level_rewards, 2)
-    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    check_number("gamma", gamma, "[0, 1]")
-    check_values(
-        masks={"response_mask": response_mask},
-        finite={"token_level_rewards": token_level_rewards},
-        min_valid=("response_mask", response_mask, 2),
-    )
-    r = token_level_rewards.to(_work_dtype(token_level_rewards))
-    m = response_mask.to(r.dtype)
+    r, m = checked_return_inputs(token_level_rewards, response_mask, gamma)
     running, returns = 0.0, torch.zeros_like(r)
     for t in reversed(range(r.shape[1])):
         g = r[:, t] + gamma * running

@@ -273,7 +273,7 @@ class CriticConfig:
 @dataclass
 class OverlongBufferConfig:
     """``reward_model.overlong_buffer.*`` (verl's ``reward.reward_kwargs.overlong_buffer_cfg.*``):
-    DAPO's soft overlong punishment (:func:`refppo.rewards.overlong_penalty`)."""
+    DAPO's soft overlong punishment (:func:`refppo.overlong.overlong_penalty`)."""
 
     enable: bool = setting(False)
     len: int = setting(0, NONNEG, needs=OVERLONG)  # the last len tokens of data.max_response_length

@@ -12,7 +12,8 @@ import torch
 
 from refppo.checks import check_number, checks_once
 from refppo.functional import masked_mean
-from refppo.losses import agg_loss, check_pair_inputs, clip_bounds, register_policy_loss
+from refppo.inputs import check_pair_inputs, clip_bounds
+from refppo.losses import agg_loss, register_policy_loss
 
 
 def _dppo(old_log_prob, log_prob, advantages, response_mask, kept, clip_ratio_c, rollout_is_weights, agg):

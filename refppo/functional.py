@@ -8,24 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import (
-    TEMPERATURES,
-    check_flag,
-    check_ndim,
-    check_number,
-    check_same_shape,
-    check_tensors,
-    check_values,
-    checks_once,
-)
-
-
-def _check_masked(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None, min_valid: int = 0) -> None:
-    check_same_shape(values=values, mask=mask)
-    if axis is not None and not (isinstance(axis, int) and -values.dim() <= axis < values.dim()):
-        raise ValueError(f"axis must be None or an int in [{-values.dim()}, {values.dim()}), got {axis!r}")
-    count = ("mask", mask, min_valid) if min_valid else None
-    check_values(masks={"mask": mask}, finite={"values": values}, min_valid=count, where=mask)
+from refppo.checks import check_flag, check_ndim, check_values, checks_once
+from refppo.inputs import check_logits, check_masked
 
 
 @checks_once
@@ -46,7 +30,7 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None
         ValueError: mismatched shapes or devices, a mask that is not 0/1, NaN or inf where the
             mask is 1, an axis out of range.
     """
-    _check_masked(values, mask, axis)
+    check_masked(values, mask, axis)
     valid = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
     return (valid * mask).sum(dim=axis)
 
@@ -68,7 +52,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
     Raises:
         ValueError: as :func:`masked_sum`.
     """
-    _check_masked(values, mask, axis)
+    check_masked(values, mask, axis)
     return masked_sum(values, mask, axis) / (mask.sum(dim=axis) + 1e-8)
 
 
@@ -89,7 +73,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
             (biased).
     """
     check_flag("unbiased", unbiased)
-    _check_masked(values, mask, min_valid=2 if unbiased else 1)
+    check_masked(values, mask, min_valid=2 if unbiased else 1)
     mean = masked_mean(values, mask)
     variance = masked_mean((values - mean) ** 2, mask)
     if unbiased:
@@ -118,7 +102,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         (*shape) tensor.
     """
     check_flag("shift_mean", shift_mean)
-    _check_masked(values, mask, min_valid=2)
+    check_masked(values, mask, min_valid=2)
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
@@ -142,26 +126,6 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long() * positions).argmax(dim=-1)
 
 
-def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None, temperature: float) -> None:
-    # NaN logits are not looked for (a pass over the vocabulary): they give NaN log-probs, which
-    # every function that reads log-probs refuses.
-    check_tensors(logits=logits)
-    if logits.dim() < 2:
-        raise ValueError(f"logits must be (..., vocab), got shape {tuple(logits.shape)}")
-    check_number("temperature", temperature, TEMPERATURES)
-    if labels is None:
-        return
-    check_tensors(logits=logits, labels=labels)
-    integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
-    if labels.shape != logits.shape[:-1] or not integer:
-        raise ValueError(
-            f"labels must be integer token ids of shape {tuple(logits.shape[:-1])} (logits' without the vocabulary), "
-            f"got {labels.dtype} of shape {tuple(labels.shape)}"
-        )
-    vocab = logits.shape[-1]
-    check_values(violations={f"labels has an id outside [0, {vocab})": (labels < 0) | (labels >= vocab)})
-
-
 @checks_once
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[label], in float32.
@@ -174,7 +138,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     Returns:
         (...) float32 log-probabilities.
     """
-    _check_logits(logits, labels, temperature)
+    check_logits(logits, labels, temperature)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
@@ -190,6 +154,6 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     Returns:
         (...) float32 entropies.
     """
-    _check_logits(logits, None, temperature)
+    check_logits(logits, None, temperature)
     z = logits.float() / temperature
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)

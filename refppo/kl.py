@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from refppo.checks import TEMPERATURES, check_choice, check_number, check_same_shape, check_values, checks_once
+from refppo.inputs import check_kl_update
 from refppo.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator")
@@ -124,12 +125,6 @@ def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float =
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
-def _check_update(current_kl: float, n_steps: int) -> None:
-    check_number("current_kl", current_kl, "(-inf, inf)")  # k1's batch mean may be below 0
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
-
-
 class FixedKLController:
     """A constant KL coefficient beta (``algorithm.kl_ctrl.type=fixed``)."""
 
@@ -139,7 +134,7 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Does nothing: beta stays fixed (the arguments are checked as the other controllers')."""
-        _check_update(current_kl, n_steps)
+        check_kl_update(current_kl, n_steps)
 
 
 class AdaptiveKLController:
@@ -159,7 +154,7 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Move beta toward the target KL; ``n_steps`` is the number of samples in the batch."""
-        _check_update(current_kl, n_steps)
+        check_kl_update(current_kl, n_steps)
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
@@ -178,7 +173,7 @@ class PPOPaperKLController:
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Apply the 1.5x / 2x rule once (``n_steps`` is accepted for a common interface)."""
-        _check_update(current_kl, n_steps)
+        check_kl_update(current_kl, n_steps)
         kl = float(current_kl)
         if kl < self.target / 1.5:
             self.value /= 2.0

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_choice, check_ndim, check_number, check_same_shape, check_values, checks_once
+from refppo.checks import check_choice, check_ndim, check_number, check_values, checks_once
 from refppo.functional import masked_mean, masked_sum
+from refppo.inputs import check_loss_inputs, check_pair_inputs, clip_bounds
 from refppo.kl import kl_penalty
 from refppo.registry import Registry
 
@@ -20,44 +21,6 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-
-
-def check_loss_inputs(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """Raise ValueError unless a loss's inputs hold: every tensor of ``response_mask``'s shape and
-    device, the mask 0/1 with a valid token, the tensors finite and ``rollout_is_weights`` >= 0
-    where the mask is 1 (one host sync).
-
-    Args:
-        response_mask: (batch, T) 0/1.
-        **tensors: name -> (batch, T) tensor, or None for an absent optional input.
-    """
-    tensors = {k: v for k, v in tensors.items() if v is not None}
-    check_same_shape(response_mask=response_mask, **tensors)
-    weights = {k: tensors[k] for k in ("rollout_is_weights",) if k in tensors}
-    check_values(
-        masks={"response_mask": response_mask},
-        finite=tensors,
-        min_valid=("response_mask", response_mask, 1),
-        where=response_mask,
-        nonnegative=weights,  # a negative weight would flip the sign of its token's loss
-    )
-
-
-def check_pair_inputs(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> None:
-    """:func:`check_loss_inputs` for a policy loss that compares the new policy with the old.
-
-    Args:
-        old_log_prob, log_prob, advantages, response_mask: (batch, T).
-        rollout_is_weights: optional (batch, T) weights >= 0.
-    """
-    tensors = dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_loss_inputs(response_mask, **tensors, rollout_is_weights=rollout_is_weights)
 
 
 def _agg_loss(
@@ -154,21 +117,6 @@ POLICY_LOSSES = Registry("policy loss")
 # (loss, {metric name: detached scalar}), as verl 0.9's do.
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss_fn = POLICY_LOSSES.get
-
-
-def clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
-    """The clip's epsilons below and above 1: ``clip_ratio`` for a side given as None; ValueError
-    unless low is in [0, 1) and high in [0, inf).
-
-    Returns:
-        (low, high) floats.
-    """
-    check_number("clip_ratio", clip_ratio, "[0, 1)")
-    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    check_number("clip_ratio_low", low, "[0, 1)")
-    check_number("clip_ratio_high", high, "[0, inf)")
-    return low, high
 
 
 @register_policy_loss("clip")

@@ -1,6 +1,6 @@
 """Token-level rewards (ch 5, 6): where the sequence score goes, reward clipping, the KL
-penalty in the reward, a penalty for responses that never emitted EOS, and DAPO's soft
-punishment of responses near the length limit.
+penalty in the reward and a penalty for responses that never emitted EOS (DAPO's soft overlong
+punishment: :mod:`refppo.overlong`).
 
 Shapes: scores (batch,), per-token tensors (batch, T), response-only.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from refppo.checks import (
-    check_flag,
     check_ndim,
     check_number,
     check_same_shape,
@@ -19,6 +18,7 @@ from refppo.checks import (
     checks_once,
 )
 from refppo.functional import last_valid_index, masked_mean
+from refppo.inputs import check_score_inputs
 from refppo.kl import kl_penalty as kl_penalty_fn
 
 
@@ -33,17 +33,7 @@ def place_score_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor)
     Returns:
         (batch, T) ``token_level_scores`` in the dtype of ``scores`` (at least float32).
     """
-    check_ndim("scores", scores, 1)
-    check_ndim("response_mask", response_mask, 2)
-    check_tensors(scores=scores, response_mask=response_mask)
-    if scores.shape[0] != response_mask.shape[0]:
-        raise ValueError(f"scores has {scores.shape[0]} rows but response_mask has {response_mask.shape[0]}")
-    row_tokens = response_mask.sum(dim=-1)
-    check_values(
-        masks={"response_mask": response_mask},
-        finite={"scores": scores},
-        min_valid=("the emptiest row of response_mask", row_tokens.min(), 1),
-    )
+    check_score_inputs(scores, response_mask)
     last = last_valid_index(response_mask)
     dtype = torch.promote_types(scores.dtype, torch.float32)
     out = torch.zeros(response_mask.shape, dtype=dtype, device=scores.device)
@@ -86,64 +76,6 @@ def apply_missing_eos_penalty(scores: torch.Tensor, is_truncated: torch.Tensor, 
     return scores - penalty * is_truncated.to(scores.dtype)
 
 
-@checks_once
-def overlong_penalty(
-    response_length: torch.Tensor, max_response_length: int, buffer_len: int, penalty_factor: float
-) -> torch.Tensor:
-    """DAPO's soft overlong punishment (verl's DAPO reward manager): 0 for a response of up to
-    ``max_response_length - buffer_len`` tokens, then falling linearly with each further token, to
-    ``-penalty_factor`` at ``max_response_length``.
-
-    Args:
-        response_length: (batch,) tokens in each response (its EOS included).
-        max_response_length: the longest response (``data.max_response_length``).
-        buffer_len: the length of the sloped part, in (0, max_response_length].
-        penalty_factor: >= 0.
-
-    Returns:
-        (batch,) float32 penalties, <= 0, added to the scores.
-    """
-    check_number("max_response_length", max_response_length, "[1, inf)")
-    check_number("buffer_len", buffer_len, f"(0, {max_response_length}]")
-    check_number("penalty_factor", penalty_factor, "[0, inf)")
-    check_ndim("response_length", response_length, 1)
-    check_values(finite={"response_length": response_length.float()})
-    exceed = response_length.float() - (max_response_length - buffer_len)
-    return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
-
-
-@checks_once
-def overlong_shaped(
-    scores: torch.Tensor,
-    response_mask: torch.Tensor,
-    max_response_length: int,
-    buffer_len: int,
-    penalty_factor: float,
-    log: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Scores plus :func:`overlong_penalty` of each response's length, as verl's DAPO reward manager.
-
-    Args:
-        scores: (B,) a rule's scores.
-        response_mask: (B, R) 0/1; a response's length is its row sum.
-        max_response_length, buffer_len, penalty_factor: as :func:`overlong_penalty`.
-        log: also return the penalties, as verl's ``overlong_buffer_cfg.log`` does.
-
-    Returns:
-        (scores (B,), extras): with ``log``, ``overlong_reward`` (the penalties) and ``overlong``
-        (1 where penalised), verl's names; else no extras.
-    """
-    check_flag("log", log)
-    check_ndim("scores", scores, 1)
-    check_tensors(scores=scores, response_mask=response_mask)
-    check_values(masks={"response_mask": response_mask}, finite={"scores": scores})
-    if response_mask.dim() != 2 or response_mask.shape[0] != scores.shape[0]:
-        raise ValueError(f"response_mask must be ({scores.shape[0]}, R), got shape {tuple(response_mask.shape)}")
-    penalty = overlong_penalty(response_mask.sum(-1), max_response_length, buffer_len, penalty_factor)
-    extras = {"overlong_reward": penalty, "overlong": (penalty < 0).float()} if log else {}
-    return scores + penalty, extras
-
-
 @torch.no_grad()
 @checks_once
 def apply_kl_penalty(
@@ -174,16 +106,9 @@ def apply_kl_penalty(
             controller is updated with (as verl).
     """
     check_number("kl_coef", kl_coef, "[0, inf)")
-    check_same_shape(
-        token_level_scores=token_level_scores,
-        old_log_probs=old_log_probs,
-        ref_log_prob=ref_log_prob,
-        response_mask=response_mask,
-    )
-    check_values(
-        masks={"response_mask": response_mask},
-        finite={"token_level_scores": token_level_scores, "old_log_probs": old_log_probs, "ref_log_prob": ref_log_prob},
-    )
+    tensors = dict(token_level_scores=token_level_scores, old_log_probs=old_log_probs, ref_log_prob=ref_log_prob)
+    check_same_shape(**tensors, response_mask=response_mask)
+    check_values(masks={"response_mask": response_mask}, finite=tensors)
     kld = kl_penalty_fn(old_log_probs, ref_log_prob, kl_penalty) * response_mask
     token_level_rewards = token_level_scores - kl_coef * kld
     current_kl = masked_mean(kld, response_mask, axis=-1).mean()

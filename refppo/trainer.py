@@ -50,10 +50,11 @@ from refppo.losses import POLICY_LOSSES, agg_loss, compute_value_loss
 from refppo.metrics import data_metrics, gather, peak_memory_gb, throughput_metrics, timer
 from refppo.models import make_reference
 from refppo.optim import make_optimizer
+from refppo.overlong import overlong_shaped
 from refppo.prompts import decode_texts, tokenize_records
 from refppo.registry import call_declared
 from refppo.reward_fns import RewardFn, check_scores, describe
-from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, overlong_shaped, place_score_on_last_token
+from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout_correction import compute_rollout_is_weights, compute_rollout_rs_mask
 from refppo.runs import STATE_FILE, load_models, save_models
 from refppo.update import minibatch_updates

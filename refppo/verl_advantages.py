@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refppo.advantages import _group_ids, _group_mean, _group_scores, _work_dtype, register_adv_est
+from refppo.advantages import _group_mean, _group_scores, register_adv_est
 from refppo.checks import (
     check_flag,
     check_ndim,
@@ -23,6 +23,7 @@ from refppo.checks import (
     checks_once,
 )
 from refppo.functional import masked_whiten
+from refppo.inputs import group_ids, work_dtype
 
 
 @register_adv_est("reinforce_plus_plus_baseline")
@@ -110,7 +111,7 @@ def compute_remax_outcome_advantage(
         masks={"response_mask": response_mask},
         finite={"token_level_rewards": token_level_rewards, "reward_baselines": reward_baselines},
     )
-    dtype = _work_dtype(token_level_rewards, reward_baselines)
+    dtype = work_dtype(token_level_rewards, reward_baselines)
     m = response_mask.to(dtype)
     returns = (token_level_rewards.to(dtype) * m).flip(-1).cumsum(-1).flip(-1)
     return returns - reward_baselines.to(dtype).unsqueeze(-1) * m, returns
@@ -118,7 +119,7 @@ def compute_remax_outcome_advantage(
 
 def _group_reduce(values: torch.Tensor, index, how: str) -> torch.Tensor:
     """Each row's group ``how`` ("sum" or "amax") of ``values`` (batch,)."""
-    ids, n_groups = _group_ids(index, values.shape[0], values.device)
+    ids, n_groups = group_ids(index, values.shape[0], values.device)
     start = 0.0 if how == "sum" else -torch.inf
     out = torch.full((n_groups,), start, dtype=values.dtype, device=values.device)
     return out.scatter_reduce_(0, ids, values, how)[ids]

@@ -12,7 +12,8 @@ import torch
 
 from refppo.checks import check_number, checks_once
 from refppo.functional import masked_mean, masked_sum
-from refppo.losses import agg_loss, check_loss_inputs, check_pair_inputs, clip_bounds, register_policy_loss
+from refppo.inputs import check_loss_inputs, check_pair_inputs, clip_bounds
+from refppo.losses import agg_loss, register_policy_loss
 
 
 def _metrics(clipped, log_ratio, response_mask, clipped_lower=None) -> dict[str, torch.Tensor]:

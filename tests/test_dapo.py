@@ -1,5 +1,5 @@
 """DAPO in refppo: dynamic sampling (refppo.dynamic_sampling, verl's algorithm.filter_groups) and
-the soft overlong punishment (refppo.rewards.overlong_penalty, verl's DAPO reward manager)."""
+the soft overlong punishment (refppo.overlong.overlong_penalty, verl's DAPO reward manager)."""
 
 import random
 
@@ -11,8 +11,8 @@ from _trainers import RECORDS, make_trainer
 from refppo.config import Config, apply_overrides
 from refppo.distributed import World, check_world
 from refppo.dynamic_sampling import join_batches, varied_groups
+from refppo.overlong import overlong_penalty
 from refppo.prompts import decode_texts, sequence_batch
-from refppo.rewards import overlong_penalty
 from refppo.settings import validate
 from refppo.verl_names import translate
 

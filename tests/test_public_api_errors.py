@@ -19,8 +19,10 @@ from refppo import (
     advantages,
     divergence_losses,
     functional,
+    inputs,
     kl,
     losses,
+    overlong,
     rewards,
     rollout_correction,
     verl_advantages,
@@ -37,7 +39,9 @@ MODULES = (
     divergence_losses,
     kl,
     rewards,
+    overlong,
     rollout_correction,
+    inputs,
 )
 B, T = 3, 4
 
@@ -85,6 +89,14 @@ GOOD = {
         logits=torch.randn(B, T, 7), labels=torch.randint(0, 7, (B, T)), temperature=0.7
     ),
     "entropy_from_logits": lambda: dict(logits=torch.randn(B, T, 7), temperature=0.7),
+    "check_masked": lambda: dict(values=_x(), mask=_mask(), axis=-1, min_valid=2),
+    "check_logits": lambda: dict(logits=torch.randn(B, T, 7), labels=torch.randint(0, 7, (B, T)), temperature=0.7),
+    "work_dtype": lambda: dict(),
+    "checked_return_inputs": lambda: dict(token_level_rewards=_x(1), response_mask=_mask(), gamma=0.99),
+    "check_outcome_inputs": lambda: dict(token_level_rewards=_x(1), response_mask=_mask(), min_valid=2),
+    "group_ids": lambda: dict(index=["a", "a", "b"], batch=B, device=torch.device("cpu")),
+    "check_score_inputs": lambda: dict(scores=torch.randn(B), response_mask=_mask()),
+    "check_kl_update": lambda: dict(current_kl=0.1, n_steps=4),
     "checked_gae_inputs": lambda: dict(
         token_level_rewards=_x(1), values=_x(2), response_mask=_mask(), gamma=0.99, lam=0.95
     ),
@@ -262,6 +274,7 @@ VALID = {
     ("FixedKLController.update", "current_kl", "-1"),
     ("AdaptiveKLController.update", "current_kl", "-1"),
     ("PPOPaperKLController.update", "current_kl", "-1"),
+    ("check_kl_update", "current_kl", "-1"),
     # no truncation at all
     ("compute_rollout_is_weights", "threshold", "inf"),
     # verl's thresholds may be texts: "0.1" is a truncation at 0.1
@@ -318,11 +331,13 @@ VALID = {
     *((f, arg, "nan") for f in ("kl_k1", "kl_k2", "kl_k3", "kl_abs") for arg in ("logprob", "ref_logprob")),
     # any response width goes with (batch,) scores; a micro-batch may be narrower than its mini-batch
     ("place_score_on_last_token", "response_mask", "shape"),
+    ("check_score_inputs", "response_mask", "shape"),
     ("overlong_shaped", "response_mask", "shape"),
     ("agg_loss_weight", "mini_mask", "shape"),
     # NaN logits give NaN log-probs, which every reader refuses; looking costs a pass over the vocabulary
     ("logprobs_from_logits", "logits", "nan"),
     ("entropy_from_logits", "logits", "nan"),
+    ("check_logits", "logits", "nan"),
 }
 
 

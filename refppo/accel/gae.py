@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from refppo.advantages import checked_gae_inputs
 from refppo.functional import masked_whiten
+from refppo.inputs import checked_gae_inputs
 
 
 def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from refppo.device import trainable_forward
 from refppo.forward import model_inputs, response_logits
-from refppo.functional import _check_logits
+from refppo.inputs import check_logits
 from refppo.models import LoraDisabledReference, base_model
 
 # Elements (rows x vocab) of float32 scratch per block, by device: a CPU gains nothing from larger
@@ -252,7 +252,7 @@ def chunked_logprobs(
     Returns:
         ((...) float32 log-probabilities, (...) float32 entropies or None).
     """
-    _check_logits(logits, labels, temperature)
+    check_logits(logits, labels, temperature)
     rows = chunk_size if chunk_size is not None else max(1, CHUNK_ELEMENTS["cpu"] // logits.shape[-1])
     logp, ent = _ChunkedLogSoftmax.apply(logits, labels, float(temperature), rows, calculate_entropy, compiled)
     return logp, ent if calculate_entropy else None
