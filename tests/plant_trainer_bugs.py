@@ -175,6 +175,20 @@ BUGS += [  # the plain formulas
     ),
     ("forward.py", "values one position late", "logits[:, -width - 1 : -1, 0]", "logits[:, -width:, 0]"),
 ]
+BUGS += [  # the input contracts and DAPO's shaping
+    (
+        "inputs.py",
+        "negative importance weights let through",
+        "nonnegative=weights,  # a negative weight",
+        "nonnegative={},  # a negative weight",
+    ),
+    (
+        "overlong.py",
+        "overlong penalty not spread over the buffer",
+        "-exceed / buffer_len * penalty_factor",
+        "-exceed * penalty_factor",
+    ),
+]
 BUGS += [  # the estimators and losses from verl 0.9's registry
     ("advantages.py", "REINFORCE++: a masked token's return kept", "returns[:, t] = g * m[:, t]", "returns[:, t] = g"),
     (
@@ -373,5 +387,7 @@ if __name__ == "__main__":
             "tests/test_accel_decoding.py",
             "tests/test_accel_checkpointing.py",
             "tests/test_distributed.py",
+            "tests/test_dapo.py",
+            "tests/test_public_api_errors.py",
         ]
     )
