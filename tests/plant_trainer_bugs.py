@@ -38,8 +38,8 @@ BUGS = [
     ("IS weights never normalised", "mask, threshold, level, normalize)", "mask, threshold, level, False)"),
     (
         "KL in the reward: arguments swapped",
-        'batch["old_log_probs"],\n                batch["ref_log_prob"],',
-        'batch["ref_log_prob"],\n                batch["old_log_probs"],',
+        'beta, old, ref = self.kl_ctrl.value, batch["old_log_probs"], batch["ref_log_prob"]',
+        'beta, ref, old = self.kl_ctrl.value, batch["old_log_probs"], batch["ref_log_prob"]',
     ),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     (
@@ -55,8 +55,8 @@ BUGS = [
     ("a NaN entropy not checked", 'finite["entropy"] = entropy', "pass"),
     (
         "KL computed but not put in the reward",
-        'batch["token_level_rewards"], current_kl = apply_kl_penalty(',
-        "_, current_kl = apply_kl_penalty(",
+        'batch["token_level_rewards"] = rewards\n',
+        'batch["token_level_rewards"] = batch["token_level_scores"]\n',
     ),
     (
         "the batch's values not checked",
@@ -79,7 +79,11 @@ BUGS = [
         "for k in names]), world)",
         "for k in names]), world) / world.size",
     ),
-    ("samples seeded by the process's row, not the batch's", "first_row=share.start * n)", "first_row=0)"),
+    (
+        "samples seeded by the process's row, not the batch's",
+        "first_row=first_row + share.start * n)",
+        "first_row=first_row)",
+    ),
     (
         "distributed.py",
         "generation gathers the weights at every pass (a collective per decoding step)",
@@ -110,8 +114,8 @@ BUGS = [
     ),
     (
         "value loss: returns and old values swapped",
-        'mb["returns"],\n            mb["values"],',
-        'mb["values"],\n            mb["returns"],',
+        'vpreds, mb["returns"], mb["values"], mb["response_mask"]',
+        'vpreds, mb["values"], mb["returns"], mb["response_mask"]',
     ),
     (
         "seq-mean-token-sum-norm over the batch width",
@@ -124,7 +128,7 @@ BUGS = [
         '(getattr(c.actor, k) if actor or k == "ppo_epochs" else critic_setting(c, k) for k in settings)',
     ),
     (
-        "config.py",
+        "conditions.py",
         "the critic's loss mode not the actor's when unset",
         "return getattr(config.actor, name) if value is None else value",
         'return ("token-mean" if name == "loss_agg_mode" else getattr(config.actor, name)) if value is None else value',
@@ -132,8 +136,8 @@ BUGS = [
     (
         "metrics.py",
         "explained variance over the values",
-        '(masked_var(batch["returns"], mask) + 1e-5)',
-        '(masked_var(batch["values"], mask) + 1e-5)',
+        "(masked_var(returns, response_mask) + 1e-5)",
+        "(masked_var(values, response_mask) + 1e-5)",
     ),
     (
         "losses.py",
