@@ -16,10 +16,10 @@ import torch
 from refppo.checks import TEMPERATURES, check_ndim, check_number, check_same_shape, check_tensors, check_values
 
 
-def _check_count(min_valid) -> None:
+def _check_int(name: str, value, least: int) -> None:
     # cheaper than check_number: a masked reduction runs in the trainer's inner loop
-    if isinstance(min_valid, bool) or not isinstance(min_valid, int) or min_valid < 0:
-        raise ValueError(f"min_valid must be an int >= 0, got {min_valid!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 def check_masked(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None, min_valid: int = 0) -> None:
@@ -31,7 +31,7 @@ def check_masked(values: torch.Tensor, mask: torch.Tensor, axis: int | None = No
         mask: (*shape) 0/1 tensor.
     """
     check_same_shape(values=values, mask=mask)
-    _check_count(min_valid)
+    _check_int("min_valid", min_valid, 0)
     if axis is not None and not (isinstance(axis, int) and -values.dim() <= axis < values.dim()):
         raise ValueError(f"axis must be None or an int in [{-values.dim()}, {values.dim()}), got {axis!r}")
     count = ("mask", mask, min_valid) if min_valid else None
@@ -117,7 +117,7 @@ def checked_return_inputs(token_level_rewards, response_mask, gamma) -> tuple[to
 def check_outcome_inputs(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, min_valid: int = 0) -> None:
     """An outcome estimator's inputs: (batch, T) rewards finite, the mask 0/1 of the same shape with at
     least ``min_valid`` ones."""
-    _check_count(min_valid)
+    _check_int("min_valid", min_valid, 0)
     check_ndim("token_level_rewards", token_level_rewards, 2)
     check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     check_values(
@@ -220,5 +220,4 @@ def clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high
 def check_kl_update(current_kl: float, n_steps: int) -> None:
     """A KL controller's update: a real KL (k1's batch mean may be below 0) and an int ``n_steps`` >= 1."""
     check_number("current_kl", current_kl, "(-inf, inf)")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    _check_int("n_steps", n_steps, 1)

@@ -465,3 +465,13 @@ def test_a_call_reads_the_device_at_most_once(name, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or tolist(t))
     _call(name, GOOD[name]())
     assert len(reads) <= 1, f"{name} read the device {len(reads)} times"
+
+
+@pytest.mark.parametrize(
+    "name, arg, bad",
+    [("check_kl_update", "n_steps", 0), ("check_masked", "min_valid", -1), ("check_outcome_inputs", "min_valid", -1)],
+)
+def test_an_int_below_its_bound_is_refused(name, arg, bad):
+    """The bad-input table tries -1.0 (a float); an int just below the bound must be refused too."""
+    with pytest.raises(ValueError, match=f"{arg} must be an int >= "):
+        _call(name, GOOD[name]() | {arg: bad})
