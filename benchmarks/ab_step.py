@@ -3,7 +3,8 @@ trainer, so a lent GPU pays the decoder's compilation once, not once per variant
 
 Each variant is a name and the overrides it adds to the workload's; only settings the trainer
 reads at every step may differ between variants (micro-batch sizes and token budgets,
-``actor.use_torch_compile``, ``model.use_fused_kernels``), plus ``chunk_elements=N``: the
+``actor.use_torch_compile``, ``model.use_fused_kernels``, ``algorithm.rollout_correction.bypass_mode``,
+and ``model.compile_layers``, which compiles or restores the models' layers), plus ``chunk_elements=N``: the
 log-softmax's blocks (rows x vocab elements, ``refppo.accel.logprobs.CHUNK_ELEMENTS``). Every
 variant gets one warm-up step (its compilation), then ``--rounds`` rounds of one step each, the
 variants in turn (reversed every other round). The weights train on, which does not change a
@@ -31,6 +32,7 @@ from profile_step import phase_table, profile_step, render, top_operators
 
 from refppo import accel
 from refppo.accel import logprobs
+from refppo.accel.compiled_layers import compile_layers, eager_layers
 
 # Settings the trainer reads at every step (the others are fixed when it is built).
 PER_STEP = (
@@ -39,6 +41,8 @@ PER_STEP = (
     "use_dynamic_bsz",
     "actor.use_torch_compile",
     "model.use_fused_kernels",
+    "model.compile_layers",
+    "algorithm.rollout_correction.bypass_mode",
 )
 
 
@@ -67,6 +71,9 @@ def use(trainer, base_overrides: list[str], variant) -> None:
     trainer.config = benchmark_config(base_overrides + overrides)
     logprobs.CHUNK_ELEMENTS.update(DEFAULT_CHUNK if chunk is None else dict.fromkeys(DEFAULT_CHUNK, chunk))
     trainer.accel = accel.select(trainer.config, trainer.device)
+    models = (trainer.actor, trainer.reference, trainer.critic, trainer.reward_model)
+    on = accel.on_cuda(trainer.config.model.compile_layers, trainer.device)
+    (compile_layers if on else eager_layers)(*models)
 
 
 DEFAULT_CHUNK = dict(logprobs.CHUNK_ELEMENTS)

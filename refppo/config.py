@@ -131,6 +131,11 @@ class ModelConfig:
     # The updates keep each decoder layer's input only and recompute the rest in the backward pass:
     # far less activation memory for one more forward pass. verl's default is true.
     enable_gradient_checkpointing: bool = setting(False, commands=COMMANDS, resumable=True)
+    # Each decoder layer of every model in a ppo run compiled by torch.compile, the elementwise work
+    # between the matrix products fused (refppo.accel.compiled_layers). null: on with CUDA.
+    compile_layers: bool | None = setting(
+        None, commands=("ppo",), resumable=True, unread_because="sft and rm keep the eager layers"
+    )
 
 
 @dataclass

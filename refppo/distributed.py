@@ -241,6 +241,7 @@ def check_world(config, world: World) -> None:
         ("model.lora_rank", c.model.lora_rank > 0),
         ("model.use_fused_kernels", c.model.use_fused_kernels),
         ("rollout.cuda_graphs", c.rollout.cuda_graphs),
+        ("model.compile_layers", c.model.compile_layers),
         ("actor.use_dynamic_bsz", c.actor.use_dynamic_bsz),
         ("critic.use_dynamic_bsz", c.critic.use_dynamic_bsz),
         ("algorithm.filter_groups.enable", c.algorithm.filter_groups.enable),  # each process would keep its own count

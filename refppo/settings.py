@@ -279,6 +279,12 @@ def _check_combinations(config: Config) -> None:
         not (r.cuda_graphs and t.device == "cpu"),
         "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu",
     )
+    checkpointed = [f"{k}=true" for k, on in checkpointing_settings(config).items() if on]
+    _require(
+        not (config.model.compile_layers and checkpointed),
+        f"model.compile_layers=true cannot compile the layers that {' and '.join(checkpointed)} checkpoints "
+        "(torch.compile does not take transformers' checkpointed layers): set one of them off",
+    )
     _require(
         alg.rollout_correction.rollout_is is None or POLICY_LOSSES.takes(a.policy_loss, "rollout_is_weights"),
         f"algorithm.rollout_correction.rollout_is={alg.rollout_correction.rollout_is} weights each token's loss, but "
@@ -308,6 +314,14 @@ def _check_combinations(config: Config) -> None:
         "reward_model.enable=true and reward_model.reward_fn both give the training score: drop one "
         "(with the reward model, the task's own rule is reported as reward/gold, never trained on)",
     )
+
+
+def checkpointing_settings(config) -> dict[str, bool]:
+    """The activation-checkpointing settings of the trained models, by key."""
+    return {
+        "model.enable_gradient_checkpointing": config.model.enable_gradient_checkpointing,
+        "critic.model.enable_gradient_checkpointing": config.critic.model.enable_gradient_checkpointing,
+    }
 
 
 def validate(config: Config, command: str = "ppo") -> Config:

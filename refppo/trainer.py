@@ -111,7 +111,7 @@ class PPOTrainer:
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
         self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
         # the speed paths, chosen once (refppo.accel): the same numbers as the plain ones
-        accel.prepare_models(c, actor, critic, self.reference)
+        accel.prepare_models(c, actor, critic, self.reference, reward_model, world.distributed)
         self.accel = accel.select(c, self.device, world.distributed)
         self.sampling_model = self.accel.decoder(actor, c.data.max_prompt_length + c.data.max_response_length)
         for model in (actor, self.reference, critic, reward_model):  # under torchrun: FSDP2

@@ -21,6 +21,7 @@ REFPPO_ONLY = {
     "actor.penalty_kl_coef": "PPO-penalty (ch 2), a loss verl does not have",
     "actor.penalty_kl_type": "PPO-penalty (ch 2), a loss verl does not have",
     "rollout.cuda_graphs": "refppo's own decoder; verl samples with vLLM or SGLang",
+    "model.compile_layers": "refppo's own; verl's torchtitan engine compiles each layer under use_torch_compile",
     "reward_model.reward_fn": "a Python function, package.module:function (verl's reward.custom_reward_function "
     "takes a file path and a name)",
     "reward_model.micro_batch_size_per_gpu": "the reward model's forward passes; verl serves it from its engine",

@@ -268,6 +268,7 @@ def test_a_rank_that_raises_is_named(workdir):
         (["model.lora_rank=4"], "model.lora_rank is not available with FSDP2"),
         (["model.use_fused_kernels=true"], "model.use_fused_kernels is not available with FSDP2"),
         (["rollout.cuda_graphs=true"], "rollout.cuda_graphs is not available with FSDP2"),
+        (["model.compile_layers=true"], "model.compile_layers is not available with FSDP2"),
         (["actor.use_dynamic_bsz=true"], "actor.use_dynamic_bsz is not available with FSDP2"),
     ],
 )

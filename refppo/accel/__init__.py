@@ -8,10 +8,13 @@ teaching core computes (to float rounding), and the trainer picks them once from
   attention read in place (``rollout.cuda_graphs``);
 - :mod:`refppo.accel.token_budget`: micro-batches of a token budget (``*.use_dynamic_bsz``);
 - :mod:`refppo.accel.checkpointing`: activation checkpointing (``*.enable_gradient_checkpointing``);
-- :mod:`refppo.accel.gae`: GAE without a loop over tokens (on CUDA).
+- :mod:`refppo.accel.gae`: GAE without a loop over tokens (on CUDA);
+- :mod:`refppo.accel.compiled_layers`: decoder layers compiled by torch.compile
+  (``model.compile_layers``).
 
 On a CPU the defaults are the plain paths; on CUDA the ones that measured faster
-(``benchmarks/README.md``): compiled log-probs in large blocks, CUDA-graph decoding, packed GAE.
+(``benchmarks/README.md``): compiled log-probs in large blocks, CUDA-graph decoding, packed GAE,
+compiled decoder layers.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from refppo.accel.checkpointing import enable_gradient_checkpointing
+from refppo.accel.compiled_layers import compile_layers
 from refppo.accel.decoding import StaticDecoder
 from refppo.accel.gae import packed_gae_advantage_return
 from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs, check_fused_kernels
 from refppo.accel.token_budget import TokenBudgetPasses
 from refppo.config import Config
 from refppo.forward import ForwardPasses, response_log_probs
+from refppo.settings import checkpointing_settings
 
 
 def _plain_decoder(model, max_length: int):
@@ -93,12 +98,13 @@ def select(config: Config, device: torch.device, distributed: bool = False) -> A
     )
 
 
-def prepare_models(config: Config, actor, critic=None, reference=None) -> None:
+def prepare_models(config: Config, actor, critic=None, reference=None, reward_model=None, distributed=False) -> None:
     """What the speed options need from the models, before training starts: activation
     checkpointing turned on in the trained ones (``model.enable_gradient_checkpointing``,
-    ``critic.model.enable_gradient_checkpointing``), and a refusal, by name, of a model whose
-    log-probs ``model.use_fused_kernels`` cannot compute from its hidden states. ``reference`` must
-    already be copied from ``actor`` (it is never trained)."""
+    ``critic.model.enable_gradient_checkpointing``), a refusal, by name, of a model whose
+    log-probs ``model.use_fused_kernels`` cannot compute from its hidden states, and every model's
+    decoder layers compiled with ``model.compile_layers`` (null: on CUDA, but not under torchrun).
+    ``reference`` must already be copied from ``actor`` (it is never trained)."""
     if config.rollout.cuda_graphs and actor.device.type != "cuda":
         raise ValueError(f"rollout.cuda_graphs=true needs the actor on a CUDA device, not {actor.device}")
     if config.model.enable_gradient_checkpointing:
@@ -109,3 +115,8 @@ def prepare_models(config: Config, actor, critic=None, reference=None) -> None:
         check_fused_kernels(actor)
         if reference is not None:
             check_fused_kernels(reference, "reference")
+    if on_cuda(config.model.compile_layers, actor.device) and not distributed:
+        # checkpointed layers stay eager (torch.compile does not take them; an explicit true is refused)
+        actor_checkpointed, critic_checkpointed = checkpointing_settings(config).values()
+        compile_layers(*(() if actor_checkpointed else (actor, reference)), None if critic_checkpointed else critic)
+        compile_layers(reward_model)

@@ -1,0 +1,55 @@
+"""Decoder layers compiled by ``torch.compile`` (``model.compile_layers``): the same arithmetic,
+with the elementwise work between the matrix products (the float32 RMSNorms, the rotary
+embeddings, the SiLU gate, the residual adds, forward and backward) fused into a few kernels.
+
+The layers of a model share their code, so one compiled graph serves all of them, and the
+actor's, reference's, critic's and reward model's alike when their shapes agree: the first steps
+compile one graph for the passes without gradients and one for the updates (and one more for a
+sequence length that changes). A pass with a KV cache (generation) keeps the eager forward: the
+cache's state differs from layer to layer, so torch.compile would trace every layer apart.
+Figures: ``benchmarks/README.md`` (compiled layers).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from refppo.distributed import decoder_layers
+from refppo.models import base_model
+
+
+class CompiledForward:
+    """A layer's ``forward``, compiled for passes without a KV cache and eager for those with one."""
+
+    def __init__(self, forward):
+        self.eager, self.compiled = forward, torch.compile(forward)
+
+    def __call__(self, *args, **kwargs):
+        caching = any(isinstance(value, Cache) for value in (*args, *kwargs.values()))
+        return (self.eager if caching else self.compiled)(*args, **kwargs)
+
+
+def _layers(models) -> list[torch.nn.Module]:
+    """The decoder layers of ``models`` (None skipped), each once (a LoRA reference shares the actor's)."""
+    layers = {id(layer): layer for model in models if model is not None for layer in decoder_layers(base_model(model))}
+    return list(layers.values())
+
+
+def compile_layers(*models) -> None:
+    """Compile every decoder layer of ``models`` (causal LMs, LoRA actors, scalar-head models or
+    None) in place; the outputs and gradients equal the eager layers' to float rounding.
+
+    Raises:
+        ValueError: a model with no decoder layers at ``.model.layers``.
+    """
+    for layer in _layers(models):
+        if not isinstance(layer.forward, CompiledForward):
+            layer.forward = CompiledForward(layer.forward)
+
+
+def eager_layers(*models) -> None:
+    """Undo :func:`compile_layers` (its compiled graphs are kept for a later call)."""
+    for layer in _layers(models):
+        if isinstance(layer.__dict__.get("forward"), CompiledForward):
+            del layer.forward
