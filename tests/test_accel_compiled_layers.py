@@ -8,7 +8,7 @@ from _inputs import ragged_batch, rollout
 from _trainers import make_trainer
 
 from refppo.accel import StaticDecoder
-from refppo.accel.compiled_layers import CompiledForward, compile_layers, eager_layers
+from refppo.accel.compiled_layers import RECOMPILE_LIMIT, CompiledForward, compile_layers, eager_layers
 from refppo.config import Config, apply_overrides
 from refppo.forward import response_log_probs, response_values
 from refppo.models import add_lora, load_causal_lm, load_value_model, make_reference, tiny_config
@@ -80,6 +80,7 @@ def test_one_graph_serves_every_layer_and_generation_stays_eager(tok):
     samples = rollout(tok, actor)
     assert _graphs() == before, "generation traced nothing"
     assert torch.equal(samples["responses"], plain_samples["responses"])
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT, "each kind of pass is a graph: more than 8"
     eager_layers(actor, reference)
     assert all("forward" not in layer.__dict__ for layer in actor.model.layers)
 

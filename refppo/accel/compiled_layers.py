@@ -18,6 +18,11 @@ from transformers.cache_utils import Cache
 from refppo.distributed import decoder_layers
 from refppo.models import base_model
 
+# Every kind of pass is one more graph of the layers' shared code (with gradients or not, trained or
+# frozen weights, a mask or none, each model's shapes): more than dynamo's default limit of 8, past
+# which it would run the layers eagerly.
+RECOMPILE_LIMIT = 64
+
 
 class CompiledForward:
     """A layer's ``forward``, compiled for passes without a KV cache and eager for those with one."""
@@ -38,11 +43,15 @@ def _layers(models) -> list[torch.nn.Module]:
 
 def compile_layers(*models) -> None:
     """Compile every decoder layer of ``models`` (causal LMs, LoRA actors, scalar-head models or
-    None) in place; the outputs and gradients equal the eager layers' to float rounding.
+    None) in place; the outputs and gradients equal the eager layers' to float rounding. Raises
+    torch.compile's limit of graphs per function to :data:`RECOMPILE_LIMIT`.
 
     Raises:
         ValueError: a model with no decoder layers at ``.model.layers``.
     """
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6's name
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     for layer in _layers(models):
         if not isinstance(layer.forward, CompiledForward):
             layer.forward = CompiledForward(layer.forward)
