@@ -3,15 +3,16 @@ trainer, so a lent GPU pays the decoder's compilation once, not once per variant
 
 Each variant is a name and the overrides it adds to the workload's; only settings the trainer
 reads at every step may differ between variants (micro-batch sizes and token budgets,
-``actor.use_torch_compile``, ``model.use_fused_kernels``, ``algorithm.rollout_correction.bypass_mode``,
-and ``model.compile_layers``, which compiles or restores the models' layers), plus ``chunk_elements=N``: the
-log-softmax's blocks (rows x vocab elements, ``refppo.accel.logprobs.CHUNK_ELEMENTS``). Every
-variant gets one warm-up step (its compilation), then ``--rounds`` rounds of one step each, the
-variants in turn (reversed every other round). The weights train on, which does not change a
-fixed-length step's work (``rollout.ignore_eos``). The JSON is rewritten after every step, so a
-run cut short keeps what it measured. ``--profile NAME`` ends with one profiled step of that
-variant (``profile_step.py``'s table); ``--record NAME`` writes that variant's result (after each of its steps) in
-``q_step.json``'s format (``bench_ppo_step.step_record``).
+``actor.use_torch_compile``, ``model.use_fused_kernels``,
+``algorithm.rollout_correction.bypass_mode``, and ``model.compile_layers``, which compiles or
+restores the models' layers as the trainer would), plus ``chunk_elements=N``: the log-softmax's
+blocks (rows x vocab elements, ``refppo.accel.logprobs.CHUNK_ELEMENTS``). Every variant gets one
+warm-up step (its compilation), then ``--rounds`` rounds of one step each, the variants in turn
+(reversed every other round). The weights train on, which does not change a fixed-length step's
+work (``rollout.ignore_eos``). The JSON is rewritten after every step, so a run cut short keeps
+what it measured. ``--profile NAME`` ends with one profiled step of that variant
+(``profile_step.py``'s table); ``--record NAME`` writes that variant's result (after each of its
+steps) in ``q_step.json``'s format (``bench_ppo_step.step_record``).
 
 Usage: python benchmarks/ab_step.py --workload Q --variant base= --variant "compiled=actor.use_torch_compile=true"
        [--rounds 3] [--json out.json] [--profile compiled] [--record compiled --record-json q_step.json]
@@ -72,8 +73,9 @@ def use(trainer, base_overrides: list[str], variant) -> None:
     logprobs.CHUNK_ELEMENTS.update(DEFAULT_CHUNK if chunk is None else dict.fromkeys(DEFAULT_CHUNK, chunk))
     trainer.accel = accel.select(trainer.config, trainer.device)
     models = (trainer.actor, trainer.reference, trainer.critic, trainer.reward_model)
-    on = accel.on_cuda(trainer.config.model.compile_layers, trainer.device)
-    (compile_layers if on else eager_layers)(*models)
+    compiled = accel.compiled_models(trainer.config, *models)
+    eager_layers(*(m for m in models if not any(m is c for c in compiled)))
+    compile_layers(*compiled)
 
 
 DEFAULT_CHUNK = dict(logprobs.CHUNK_ELEMENTS)

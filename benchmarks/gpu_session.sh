@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One lent GPU call: the log-softmax blocks at Q's shape, then verl's quickstart shape Q with the
 # candidate CUDA settings side by side in one process (ab_step.py), then one profiled step of the
-# defaults, then the gpu tests in the time left. Every part has its own time limit, so the call ends inside the device's 10 minutes;
-# what each part measured lands in $OUT (the JSON is rewritten after every step).
+# defaults, then the gpu tests in the time left. Every part has its own time limit, so the call
+# ends inside the device's 10 minutes; what each part measured lands in $OUT (the JSON is
+# rewritten after every step).
 #
 # Usage (on the device, from the repository root): OUT=dir COMMIT=sha bash benchmarks/gpu_session.sh [rounds]
 set -u

@@ -279,7 +279,7 @@ def _check_combinations(config: Config) -> None:
         not (r.cuda_graphs and t.device == "cpu"),
         "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu",
     )
-    checkpointed = [f"{k}=true" for k, on in checkpointing_settings(config).items() if on]
+    checkpointed = [f"{k}=true" for k, on in _checkpointing_settings(config).items() if on]
     _require(
         not (config.model.compile_layers and checkpointed),
         f"model.compile_layers=true cannot compile the layers that {' and '.join(checkpointed)} checkpoints "
@@ -316,7 +316,7 @@ def _check_combinations(config: Config) -> None:
     )
 
 
-def checkpointing_settings(config) -> dict[str, bool]:
+def _checkpointing_settings(config) -> dict[str, bool]:
     """The activation-checkpointing settings of the trained models, by key."""
     return {
         "model.enable_gradient_checkpointing": config.model.enable_gradient_checkpointing,

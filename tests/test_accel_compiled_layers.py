@@ -1,13 +1,15 @@
 """refppo.accel.compiled_layers: compiled decoder layers give the eager layers' log-probs, values
 and gradients, one graph serves every layer, and generation keeps the eager forward."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch._dynamo.utils
 from _inputs import ragged_batch, rollout
 from _trainers import make_trainer
 
-from refppo.accel import StaticDecoder
+from refppo.accel import StaticDecoder, compiled_models
 from refppo.accel.compiled_layers import RECOMPILE_LIMIT, CompiledForward, compile_layers, eager_layers
 from refppo.config import Config, apply_overrides
 from refppo.forward import response_log_probs, response_values
@@ -138,3 +140,19 @@ def test_compiled_layers_on_cuda(tok):
     plain, graphs = rollout(tok, eager, **greedy), rollout(tok, StaticDecoder(compiled, 32), **greedy)
     same = (plain["responses"] == graphs["responses"]).all(dim=1).float().mean().item()
     assert same >= 0.75, f"only {same:.0%} of greedy responses match the eager model's"
+
+
+def test_which_models_compile():
+    """compiled_models: all four with model.compile_layers=true; a checkpointed model's layers,
+    everything under torchrun, and everything on a CPU by default stay eager."""
+    actor, reference, critic, reward_model = (SimpleNamespace(device=torch.device("cpu")) for _ in range(4))
+    models = (actor, reference, critic, reward_model)
+
+    def chosen(*overrides, distributed=False):
+        config = apply_overrides(Config(), ["model.compile_layers=true", *overrides])  # unvalidated combinations
+        return {id(m) for m in compiled_models(config, *models, distributed=distributed) if m is not None}
+
+    assert chosen() == {id(m) for m in models}
+    assert chosen("model.enable_gradient_checkpointing=true") == {id(critic), id(reward_model)}
+    assert chosen("critic.model.enable_gradient_checkpointing=true") == {id(actor), id(reference), id(reward_model)}
+    assert chosen(distributed=True) == set() and chosen("model.compile_layers=null") == set()

@@ -32,7 +32,6 @@ from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs, check_fused_ker
 from refppo.accel.token_budget import TokenBudgetPasses
 from refppo.config import Config
 from refppo.forward import ForwardPasses, response_log_probs
-from refppo.settings import checkpointing_settings
 
 
 def _plain_decoder(model, max_length: int):
@@ -115,8 +114,18 @@ def prepare_models(config: Config, actor, critic=None, reference=None, reward_mo
         check_fused_kernels(actor)
         if reference is not None:
             check_fused_kernels(reference, "reference")
-    if on_cuda(config.model.compile_layers, actor.device) and not distributed:
-        # checkpointed layers stay eager (torch.compile does not take them; an explicit true is refused)
-        actor_checkpointed, critic_checkpointed = checkpointing_settings(config).values()
-        compile_layers(*(() if actor_checkpointed else (actor, reference)), None if critic_checkpointed else critic)
-        compile_layers(reward_model)
+    compile_layers(*compiled_models(config, actor, reference, critic, reward_model, distributed))
+
+
+def compiled_models(config: Config, actor, reference=None, critic=None, reward_model=None, distributed=False) -> list:
+    """The models whose decoder layers ``model.compile_layers`` compiles (null: on CUDA, but not
+    under torchrun): every one given but those with activation checkpointing, whose layers
+    torch.compile does not take (an explicit true with checkpointing is refused)."""
+    if distributed or not on_cuda(config.model.compile_layers, actor.device):
+        return []
+    models = [reward_model]
+    if not config.model.enable_gradient_checkpointing:
+        models += [actor, reference]
+    if not config.critic.model.enable_gradient_checkpointing:
+        models.append(critic)
+    return models
