@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One lent GPU call: the log-softmax blocks at Q's shape, then verl's quickstart shape Q with the
-# candidate CUDA settings side by side in one process (ab_step.py), then one profiled step of the
-# defaults, then the gpu tests in the time left. Every part has its own time limit, so the call
+# One lent GPU call: verl's quickstart shape Q with the candidate CUDA settings side by side in one
+# process (ab_step.py), then one profiled step of the likely default, then the gpu tests in the
+# time left. Every part has its own time limit, so the call
 # ends inside the device's 10 minutes; what each part measured lands in $OUT (the JSON is
 # rewritten after every step).
 #
@@ -20,24 +20,20 @@ cat "$OUT/env.txt"
 
 
 cd benchmarks
-# The log-softmax blocks at Q's shape (a micro-batch of 32 rows x 512 tokens, bf16 logits over
-# 151,936 tokens), as blocks of 64M and 1G elements: the compiled kernel read 441 rows at about
-# 80 GB/s on the H100 of 2026-11-27. (Each pass runs in its own process; the compiler's cache on
-# disk serves the later ones.)
-for chunk in 67108864 1073741824; do
-    timeout 75 python bench_logprobs.py --device cuda --dtype bfloat16 --tokens 16384 --vocab 151936 \
-        --pair chunked,compiled --repeats 5 --chunk-elements $chunk 2>&1 | tail -4 | tee -a "$OUT/logprobs.txt"
-done
 # Q with the CUDA defaults (compiled layers and log-probs, CUDA-graph decoding) and micro-batches
-# sized to the card, against larger log-softmax blocks and wider scoring passes. The layers stay
-# compiled in every variant: switching them re-traces the decoder.
+# sized to the card, against log-softmax blocks of 256M and 1G elements (the compiled kernel read
+# 441-row blocks at about 80 GB/s on the H100 of 2026-11-27: more rows per block, more of the card
+# at work), the eager blocks at 256M (their float32 copies stay under the card's memory), and wider
+# scoring passes. The layers stay compiled in every variant: switching them re-traces the decoder.
 big="rollout.log_prob_micro_batch_size_per_gpu=32 ref.log_prob_micro_batch_size_per_gpu=32 reward_model.micro_batch_size_per_gpu=32"
 big="$big critic.ppo_micro_batch_size_per_gpu=16 actor.ppo_micro_batch_size_per_gpu=16"
 timeout $((450 - (SECONDS - start))) python ab_step.py --workload Q --rounds "$rounds" \
-    --variant "layers=$big" --variant "chunk256=$big chunk_elements=268435456" \
-    --variant "chunk1g=$big chunk_elements=1073741824" --variant "wide=${big//=32/=64}" \
-    --json "$OUT/ab_q.json" --record layers --record-json "$OUT/q_step.json" \
-    --profile layers --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT" | tee "$OUT/ab_q.txt"
+    --variant "layers=$big" --variant "chunk1g=$big chunk_elements=1073741824" \
+    --variant "chunk256=$big chunk_elements=268435456" \
+    --variant "eager256=$big chunk_elements=268435456 actor.use_torch_compile=false" \
+    --variant "wide1g=${big//=32/=64} chunk_elements=1073741824" \
+    --json "$OUT/ab_q.json" --record chunk1g --record-json "$OUT/q_step.json" \
+    --profile chunk1g --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT" | tee "$OUT/ab_q.txt"
 cd ..
 echo "Q done at $((SECONDS - start)) s"
 
