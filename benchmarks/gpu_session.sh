@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# One lent GPU call: verl's quickstart shape Q with the candidate CUDA settings side by side in one
-# process (ab_step.py), then one profiled step of the likely default, then the gpu tests in the
-# time left. Every part has its own time limit, so the call
-# ends inside the device's 10 minutes; what each part measured lands in $OUT (the JSON is
-# rewritten after every step).
+# One lent GPU call, in parts, each under its own time limit so the call ends inside the device's
+# 10 minutes; what each part measured lands in $OUT (its JSON rewritten as it goes):
 #
-# Usage (on the device, from the repository root): OUT=dir COMMIT=sha bash benchmarks/gpu_session.sh [rounds]
+#   q      verl's quickstart shape Q with the CUDA defaults alone, one process, 3 rounds, and the
+#          log-softmax kernel that inductor makes for Q's blocks (whether it splits the rows);
+#   ab     Q's candidate settings side by side in one process (ab_step.py), then a profiled step;
+#   trl    W3 against TRL, 3 rounds of one step, each side in a fresh process (TRL's wheels
+#          carried in .wheels: benchmarks/trl_wheels.sh downloads them);
+#   tests  the gpu tests.
+#
+# Usage (on the device, from the repository root):
+#   OUT=dir COMMIT=sha bash benchmarks/gpu_session.sh [parts, default q,trl,tests]
 set -u
 cd "$(dirname "$0")/.."
-rounds=${1:-3}
+parts=",${1:-q,trl,tests},"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the device's pip install -e . left refppo unimportable
 start=$SECONDS
+left() { echo $(($1 - (SECONDS - start))); }
 pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.txt" 2>&1
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
@@ -18,29 +24,51 @@ pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.txt" 2>&1
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-
-cd benchmarks
-# Q with the CUDA defaults (compiled layers and log-probs, CUDA-graph decoding) and micro-batches
-# sized to the card, against log-softmax blocks of 256M and 1G elements (the compiled kernel read
-# 441-row blocks at about 80 GB/s on the H100 of 2026-11-27: more rows per block, more of the card
-# at work), the eager blocks at 256M (their float32 copies stay under the card's memory), and wider
-# scoring passes. The layers stay compiled in every variant: switching them re-traces the decoder.
+# Q's micro-batches sized to the card: 32 rows for the scoring passes, 16 for the updates.
 big="rollout.log_prob_micro_batch_size_per_gpu=32 ref.log_prob_micro_batch_size_per_gpu=32 reward_model.micro_batch_size_per_gpu=32"
 big="$big critic.ppo_micro_batch_size_per_gpu=16 actor.ppo_micro_batch_size_per_gpu=16"
-timeout $((450 - (SECONDS - start))) python ab_step.py --workload Q --rounds "$rounds" \
-    --variant "layers=$big" --variant "chunk1g=$big chunk_elements=1073741824" \
-    --variant "chunk256=$big chunk_elements=268435456" \
-    --variant "eager256=$big chunk_elements=268435456 actor.use_torch_compile=false" \
-    --variant "wide1g=${big//=32/=64} chunk_elements=1073741824" \
-    --json "$OUT/ab_q.json" --record chunk1g --record-json "$OUT/q_step.json" \
-    --profile chunk1g --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT" | tee "$OUT/ab_q.txt"
+cd benchmarks
+if [[ $parts == *,q,* ]]; then
+    timeout "$(left 150)" python ab_step.py --workload Q --rounds 3 --variant "defaults=$big" \
+        --json "$OUT/q_defaults.json" --record defaults --record-json "$OUT/q_step.json" \
+        --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT" | tee "$OUT/q_defaults.txt"
+    # The compiled log-softmax block at Q's shape (441 rows x 151,936): split reductions or not.
+    TORCH_LOGS=output_code timeout "$(left 210)" python bench_logprobs.py --device cuda --dtype bfloat16 \
+        --tokens 16384 --vocab 151936 --pair chunked,compiled --repeats 5 --chunk-elements 67108864 \
+        >"$OUT/logprobs_code.txt" 2>&1
+    grep -c "def triton_red\|def triton_per" "$OUT/logprobs_code.txt"
+    grep -i "split" "$OUT/logprobs_code.txt" | head -3
+    tail -4 "$OUT/logprobs_code.txt"
+    echo "q done at $((SECONDS - start)) s"
+fi
+if [[ $parts == *,ab,* ]]; then
+    # The log-softmax's blocks (64M, 1G), the eager blocks, wider scoring passes; the layers stay
+    # compiled in every variant (switching them re-traces the decoder).
+    timeout "$(left 450)" python ab_step.py --workload Q --rounds 3 \
+        --variant "layers=$big" --variant "chunk1g=$big chunk_elements=1073741824" \
+        --variant "eager256=$big chunk_elements=268435456 actor.use_torch_compile=false" \
+        --variant "wide=${big//=32/=64}" \
+        --json "$OUT/ab_q.json" --profile layers --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 |
+        grep -v "^USDT" | tee "$OUT/ab_q.txt"
+    echo "ab done at $((SECONDS - start)) s"
+fi
+if [[ $parts == *,trl,* ]]; then
+    if [ -d ../.wheels ]; then
+        python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ../.wheels/*.whl >>"$OUT/install.txt" 2>&1
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    if python -c "import trl" 2>>"$OUT/install.txt"; then
+        timeout "$(left 480)" python bench_ppo_step.py --workloads W3 --impls refppo,trl --rounds 3 --steps 1 \
+            --json "$OUT/w3_trl.json" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT" | tee "$OUT/w3_trl.txt"
+    else
+        echo "trl does not import (carry .wheels: benchmarks/trl_wheels.sh); W3 against TRL skipped"
+    fi
+    echo "trl done at $((SECONDS - start)) s"
+fi
 cd ..
-echo "Q done at $((SECONDS - start)) s"
-
 # The gpu tests (the book's plugins are absent there: no nbval, no nbformat).
-left=$((560 - (SECONDS - start)))
-if [ "$left" -gt 20 ] && [ "${TESTS:-1}" = 1 ]; then
-    timeout "$left" python -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests \
-        --ignore tests/test_assert_margins.py 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+if [[ $parts == *,tests,* ]] && [ "$(left 560)" -gt 20 ]; then
+    timeout "$(left 560)" python -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests \
+        --ignore tests/test_assert_margins.py --durations=5 2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
 fi
 echo "done at $((SECONDS - start)) s"

@@ -179,9 +179,11 @@ def test_two_processes_equal_one(workdir, estimator, mode):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_torchrun_with_one_process_equals_the_plain_run(workdir, device):
     """``torchrun --nproc_per_node 1``: a process group (gloo, or NCCL on CUDA) and FSDP2 over one
-    process. On a CPU the plain run's numbers; on CUDA FSDP2's bf16 parameters stand in for
-    autocast's bf16 products, so the first step (before the weights part) agrees to bf16's
-    precision and the run stays finite."""
+    process. On a CPU the plain run's numbers. On CUDA FSDP2's bf16 parameters stand in for
+    autocast's bf16 products, so a sampled token can differ wherever the two sets of logits
+    straddle the sampler's draw, and from there the rollouts (and every training metric) part
+    ways; the greedy validation of the same starting weights agrees but for near-ties, and the
+    run stays finite."""
     overrides = [*COMMON, *GRPO, f"model.path={workdir / 'model'}", "trainer.total_training_steps=2"]
     overrides.append(f"trainer.device={device}")
     plain, launched = workdir / f"plain-{device}", workdir / f"torchrun-1-{device}"
@@ -191,11 +193,13 @@ def test_torchrun_with_one_process_equals_the_plain_run(workdir, device):
         assert_same_metrics(metrics(launched), metrics(plain))
         assert_same_weights(launched / "actor", plain / "actor", workdir / "model")
         return
-    # the first training step (step 0 is the validation before training)
-    first, expected = (next(m for m in metrics(run) if m["step"] == 1) for run in (launched, plain))
-    for key in ("response_length/mean", "critic/score/mean", "actor/entropy", "actor/kl_loss"):
-        assert first[key] == pytest.approx(expected[key], rel=0.05, abs=1e-3), key
-    assert all(math.isfinite(v) for m in metrics(launched) for v in m.values() if isinstance(v, float))
+    got, expected = metrics(launched), metrics(plain)
+    assert [m["step"] for m in got] == [m["step"] for m in expected] == [0, 1, 2]
+    # step 0: the greedy answers of the starting weights to data.val_size=200 prompts; a near-tie
+    # flips one answer: its score (0 to 1.5) and its length (1 to 6 tokens)
+    assert got[0]["val/score"] == pytest.approx(expected[0]["val/score"], abs=0.05)
+    assert got[0]["val/response_length"] == pytest.approx(expected[0]["val/response_length"], abs=0.1)
+    assert all(math.isfinite(v) for m in got for v in m.values() if isinstance(v, float))
 
 
 @pytest.mark.parametrize(
