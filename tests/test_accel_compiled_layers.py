@@ -10,7 +10,7 @@ from _inputs import ragged_batch, rollout
 from _trainers import make_trainer
 
 from refppo.accel import StaticDecoder, compiled_models
-from refppo.accel.compiled_layers import RECOMPILE_LIMIT, CompiledForward, compile_layers, eager_layers
+from refppo.accel.compiled_layers import CompiledForward, compile_layers, eager_layers
 from refppo.config import Config, apply_overrides
 from refppo.forward import response_log_probs, response_values
 from refppo.models import add_lora, load_causal_lm, load_value_model, make_reference, tiny_config
@@ -73,16 +73,17 @@ def test_one_graph_serves_every_layer_and_generation_stays_eager(tok):
     compile_layers(actor, reference, None)
     batch = ragged_batch(tok)
     before = _graphs()
-    with torch.no_grad():
+    # a user's limit of one graph per function: the layers' graphs are not held to it, nor is it changed
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
         response_log_probs(actor, batch)
         response_log_probs(reference, batch)
+        assert torch._dynamo.config.recompile_limit == 1
     # the frozen reference's weights need no gradient: one graph for it, one for the actor's 4 layers
     assert _graphs() - before == 2, "one graph per model, not one per layer"
     before = _graphs()
     samples = rollout(tok, actor)
     assert _graphs() == before, "generation traced nothing"
     assert torch.equal(samples["responses"], plain_samples["responses"])
-    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT, "each kind of pass is a graph: more than 8"
     eager_layers(actor, reference)
     assert all("forward" not in layer.__dict__ for layer in actor.model.layers)
 

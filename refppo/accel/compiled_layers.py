@@ -20,8 +20,9 @@ from refppo.models import base_model
 
 # Every kind of pass is one more graph of the layers' shared code (with gradients or not, trained or
 # frozen weights, a mask or none, each model's shapes): more than dynamo's default limit of 8, past
-# which it would run the layers eagerly.
+# which it would run the layers eagerly. Raised only while a compiled layer runs.
 RECOMPILE_LIMIT = 64
+_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
 
 
 class CompiledForward:
@@ -31,8 +32,11 @@ class CompiledForward:
         self.eager, self.compiled = forward, torch.compile(forward)
 
     def __call__(self, *args, **kwargs):
-        caching = any(isinstance(value, Cache) for value in (*args, *kwargs.values()))
-        return (self.eager if caching else self.compiled)(*args, **kwargs)
+        if any(isinstance(value, Cache) for value in (*args, *kwargs.values())):
+            return self.eager(*args, **kwargs)
+        limit = max(getattr(torch._dynamo.config, _LIMIT_NAME), RECOMPILE_LIMIT)
+        with torch._dynamo.config.patch({_LIMIT_NAME: limit}):  # the user's own limit elsewhere
+            return self.compiled(*args, **kwargs)
 
 
 def _layers(models) -> list[torch.nn.Module]:
@@ -43,15 +47,13 @@ def _layers(models) -> list[torch.nn.Module]:
 
 def compile_layers(*models) -> None:
     """Compile every decoder layer of ``models`` (causal LMs, LoRA actors, scalar-head models or
-    None) in place; the outputs and gradients equal the eager layers' to float rounding. Raises
-    torch.compile's limit of graphs per function to :data:`RECOMPILE_LIMIT`.
+    None) in place; the outputs and gradients equal the eager layers' to float rounding. While a
+    compiled layer runs, torch.compile's limit of graphs per function is at least
+    :data:`RECOMPILE_LIMIT`.
 
     Raises:
         ValueError: a model with no decoder layers at ``.model.layers``.
     """
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6's name
-    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     for layer in _layers(models):
         if not isinstance(layer.forward, CompiledForward):
             layer.forward = CompiledForward(layer.forward)
