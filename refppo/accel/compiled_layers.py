@@ -22,7 +22,8 @@ from refppo.models import base_model
 # frozen weights, a mask or none, each model's shapes): more than dynamo's default limit of 8, past
 # which it would run the layers eagerly. Raised only while a compiled layer runs.
 RECOMPILE_LIMIT = 64
-_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+# (torch < 2.6 calls it cache_size_limit)
+_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 class CompiledForward:
