@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lent GPU call, in parts, each under its own time limit so the call ends inside the device's
-# 10 minutes; what each part measured lands in $OUT (its JSON rewritten as it goes):
+# 10 minutes; what each part measured lands in $OUT (its JSON rewritten as it goes; at most 8
+# files come back, so the step lines go to stdout only):
 #
 #   q      verl's quickstart shape Q with the CUDA defaults alone, one process, 3 rounds, and the
 #          log-softmax kernel that inductor makes for Q's blocks (whether it splits the rows);
@@ -17,7 +18,7 @@ parts=",${1:-q,trl,tests},"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the device's pip install -e . left refppo unimportable
 start=$SECONDS
 left() { echo $(($1 - (SECONDS - start))); }
-pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.txt" 2>&1
+pip install -q --no-deps --no-build-isolation -e . >/tmp/install.txt 2>&1 || tail -5 /tmp/install.txt
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
     python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -31,7 +32,7 @@ cd benchmarks
 if [[ $parts == *,q,* ]]; then
     timeout "$(left 150)" python ab_step.py --workload Q --rounds 3 --variant "defaults=$big" \
         --json "$OUT/q_defaults.json" --record defaults --record-json "$OUT/q_step.json" \
-        --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT" | tee "$OUT/q_defaults.txt"
+        --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT"
     # The compiled log-softmax block at Q's shape (441 rows x 151,936): split reductions or not.
     TORCH_LOGS=output_code timeout "$(left 210)" python bench_logprobs.py --device cuda --dtype bfloat16 \
         --tokens 16384 --vocab 151936 --pair chunked,compiled --repeats 5 --chunk-elements 67108864 \
@@ -49,18 +50,19 @@ if [[ $parts == *,ab,* ]]; then
         --variant "eager256=$big chunk_elements=268435456 actor.use_torch_compile=false" \
         --variant "wide=${big//=32/=64}" \
         --json "$OUT/ab_q.json" --profile layers --commit "${COMMIT:-unknown}" rollout.cuda_graphs=true 2>&1 |
-        grep -v "^USDT" | tee "$OUT/ab_q.txt"
+        grep -v "^USDT"
     echo "ab done at $((SECONDS - start)) s"
 fi
 if [[ $parts == *,trl,* ]]; then
     if [ -d ../.wheels ]; then
-        python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ../.wheels/*.whl >>"$OUT/install.txt" 2>&1
+        python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ../.wheels/*.whl >>/tmp/install.txt 2>&1
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
     fi
-    if python -c "import trl" 2>>"$OUT/install.txt"; then
+    if python -c "import trl" 2>>/tmp/install.txt; then
         timeout "$(left 480)" python bench_ppo_step.py --workloads W3 --impls refppo,trl --rounds 3 --steps 1 \
-            --json "$OUT/w3_trl.json" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT" | tee "$OUT/w3_trl.txt"
+            --json "$OUT/w3_trl.json" rollout.cuda_graphs=true 2>&1 | grep -v "^USDT"
     else
+        tail -3 /tmp/install.txt
         echo "trl does not import (carry .wheels: benchmarks/trl_wheels.sh); W3 against TRL skipped"
     fi
     echo "trl done at $((SECONDS - start)) s"
