@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 parts=",${1:-q,trl,tests},"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the device's pip install -e . left refppo unimportable
 start=$SECONDS
-left() { echo $(($1 - (SECONDS - start))); }
+# seconds to a mark counted from the start; at least 1, since `timeout 0` would mean no limit at all
+left() { local s=$(($1 - (SECONDS - start))); echo $((s > 1 ? s : 1)); }
 pip install -q --no-deps --no-build-isolation -e . >/tmp/install.txt 2>&1 || tail -5 /tmp/install.txt
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
