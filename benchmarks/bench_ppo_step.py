@@ -567,10 +567,17 @@ def main() -> None:
                         f"warm-up step {r['warmup_step_s']:.1f} s {'| ' + phases if phases else ''}",
                         flush=True,
                     )
+                    # rewritten after every side, so a run cut short by a time limit keeps its rounds
+                    save(results, args.json)
         for row in summary(results, impls):
             print(json.dumps(row))
-    if args.json:
-        with open(args.json, "w") as f:
+    save(results, args.json)
+
+
+def save(results: list[dict], path: str | None) -> None:
+    """Every measured side so far, as a JSON list, at ``path`` (nothing when it is None)."""
+    if path:
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
 

@@ -27,9 +27,8 @@ def main() -> None:
         if not (folder / "metrics.jsonl").exists() or not (c := curve(folder)):
             continue
         cpu = {p["step"]: p["val/score"] for p in recorded.get(folder.name, {}).get("curve", [])}
-        print(
-            f"{folder.name}: step val/score" + (" (cpu)" if cpu else "") + (" val/gold" if "val/gold" in c[0] else "")
-        )
+        has_gold = "val/gold" in next(iter(c.values()))  # the first evaluated step, whichever it is
+        print(f"{folder.name}: step val/score" + (" (cpu)" if cpu else "") + (" val/gold" if has_gold else ""))
         for step, m in c.items():
             extra = f" ({cpu[step]:.3f})" if step in cpu else ""
             gold = f" {m['val/gold']:.3f}" if "val/gold" in m else ""
