@@ -210,13 +210,33 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
     _save_model(rm, tokenizer, run.path / "model", world)
 
 
+def probe_reward_fn(reward_fn, records: list[dict], tokenizer, data) -> None:
+    """Call a reward function on one record, then on three, as the trainer would (the prompts as
+    it decodes them, empty responses), so that one that cannot score, or that returns a fixed
+    number of scores, is refused before the run folder exists.
+
+    Args:
+        reward_fn: ``(prompts, responses, records) -> (B,) scores``.
+        records: the task's records; the first three are used (fewer if there are fewer).
+        tokenizer: the run's tokenizer.
+        data: the run's ``data.*`` settings (how prompts are tokenized).
+    """
+    from refppo.reward_fns import check_scores, describe
+
+    for size in sorted({1, min(3, len(records))}):
+        probe = records[:size]
+        ids, _ = tokenize_records(tokenizer, probe, data)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        check_scores(reward_fn(texts, [""] * size, probe), size, f"reward function {describe(reward_fn)}")
+
+
 def run_ppo(config: Config, make_run, world: World, device: torch.device) -> None:
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
     from refppo.fit import fit
     from refppo.models import add_lora, freeze, load_causal_lm, load_value_model
-    from refppo.reward_fns import check_scores, describe, load_reward_fn
+    from refppo.reward_fns import load_reward_fn
     from refppo.tasks.rules import require_rules
     from refppo.trainer import PPOTrainer
 
@@ -242,11 +262,8 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     reward_fn = load_reward_fn(rm_cfg.reward_fn) if rm_cfg.reward_fn else task_reward
     if reward_fn is None and reward_model is None:
         require_rules(train + val)
-    if reward_fn is not None:  # a reward function that cannot score is found before the run folder exists
-        probe = val[:2]
-        ids, _ = tokenize_records(tokenizer, probe, config.data)
-        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # the prompts as the trainer passes them
-        check_scores(reward_fn(texts, [""] * len(probe), probe), len(probe), f"reward function {describe(reward_fn)}")
+    if reward_fn is not None:
+        probe_reward_fn(reward_fn, val + train, tokenizer, config.data)
     # With a learned reward, the task's own rule is the gold score: report it, never train on it.
     extras = {"gold": task_reward} if reward_model is not None and task_reward is not None else None
     trainer = PPOTrainer(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from refppo.checks import check_flag, check_ndim, check_values, checks_once
-from refppo.inputs import check_logits, check_masked
+from refppo.inputs import check_log_probs, check_logits, check_masked
 
 
 @checks_once
@@ -139,8 +139,14 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         (...) float32 log-probabilities.
     """
     check_logits(logits, labels, temperature)
+    vocab = logits.shape[-1]
+    # an id outside the vocabulary reads id 0 here and is refused just below, so that the checks
+    # of the labels and of the result share one host sync
+    in_vocab = labels.where((labels >= 0) & (labels < vocab), 0)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    picked = log_probs.gather(-1, in_vocab.unsqueeze(-1)).squeeze(-1)
+    check_log_probs(picked, labels, vocab)
+    return picked
 
 
 @checks_once
@@ -156,4 +162,6 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     """
     check_logits(logits, None, temperature)
     z = logits.float() / temperature
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    entropy = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    check_values(finite={"logits": entropy})  # NaN or +inf logits, or -inf ones (0 x -inf)
+    return entropy

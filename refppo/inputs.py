@@ -40,10 +40,8 @@ def check_masked(values: torch.Tensor, mask: torch.Tensor, axis: int | None = No
 
 def check_logits(logits: torch.Tensor, labels: torch.Tensor | None, temperature: float) -> None:
     """Logits of at least 2 dimensions, a temperature in ``TEMPERATURES`` and, unless None, integer
-    labels of the logits' shape without the vocabulary, each an id in [0, vocab).
-
-    NaN logits are not looked for (a pass over the vocabulary): they give NaN log-probs, which
-    every function that reads log-probs refuses.
+    labels of the logits' shape without the vocabulary (no host sync: the labels' values are
+    checked with the result, by :func:`check_log_probs`).
 
     Args:
         logits: (..., vocab) tensor.
@@ -56,14 +54,47 @@ def check_logits(logits: torch.Tensor, labels: torch.Tensor | None, temperature:
     if labels is None:
         return
     check_tensors(logits=logits, labels=labels)
+    check_labels(labels, logits.shape[:-1], logits.shape[-1])
+
+
+def check_labels(labels: torch.Tensor, shape: torch.Size, vocab: int) -> None:
+    """Integer token ids of ``shape`` (the logits' without the vocabulary) for a vocabulary of
+    ``vocab`` (no host sync: whether each id is in [0, vocab) is checked with the result, by
+    :func:`check_log_probs`).
+
+    Args:
+        labels: (...) token ids.
+        shape: the shape they must have.
+        vocab: the vocabulary's size.
+    """
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"vocab must be a whole number >= 1, got {vocab!r}")
+    check_tensors(labels=labels)
     integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
-    if labels.shape != logits.shape[:-1] or not integer:
+    if labels.shape != shape or not integer:
         raise ValueError(
-            f"labels must be integer token ids of shape {tuple(logits.shape[:-1])} (logits' without the vocabulary), "
+            f"labels must be integer token ids of shape {tuple(shape)} (logits' without the vocabulary), "
             f"got {labels.dtype} of shape {tuple(labels.shape)}"
         )
-    vocab = logits.shape[-1]
-    check_values(violations={f"labels has an id outside [0, {vocab})": (labels < 0) | (labels >= vocab)})
+
+
+def check_log_probs(picked: torch.Tensor, labels: torch.Tensor, vocab: int) -> None:
+    """The value checks of a log-prob function, with one host sync: every label an id in
+    [0, vocab), and every picked log-prob finite. The logits themselves are not scanned (a pass
+    over the whole vocabulary): NaN or +inf in a row makes its whole log-softmax NaN, and a label
+    whose logit is -inf has log-prob -inf, so the small result shows them.
+
+    Args:
+        picked: (...) log-probs, computed with each label outside the vocabulary read as id 0.
+        labels: (...) the token ids as given.
+        vocab: the vocabulary's size.
+    """
+    check_tensors(picked=picked, labels=labels)
+    check_labels(labels, picked.shape, vocab)
+    check_values(
+        violations={f"labels has an id outside [0, {vocab})": (labels < 0) | (labels >= vocab)},
+        finite={"the log-probs picked from the logits": picked},
+    )
 
 
 def work_dtype(*tensors: torch.Tensor) -> torch.dtype:

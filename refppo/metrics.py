@@ -32,7 +32,7 @@ def masked_max_min(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tens
         ValueError: shapes differ, or no valid position.
     """
     check_same_shape(values=values, mask=mask)
-    check_values(min_valid=("mask", mask, 1))
+    check_values(masks={"mask": mask}, min_valid=("mask", mask, 1))
     valid = mask.bool()
     return values.masked_fill(~valid, -torch.inf).max(), values.masked_fill(~valid, torch.inf).min()
 

@@ -49,7 +49,7 @@ def check_scores(scores, rows: int, source: str) -> torch.Tensor:
         scores = torch.as_tensor(scores, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(
-            f"{source} returned a {type(scores).__name__}; expected {rows} numbers, one score per response "
+            f"{source} returned a {type(scores).__name__}; expected {rows} number(s), one score per response "
             "(a list, tuple or tensor of floats)"
         ) from None
     if scores.shape != (rows,):

@@ -406,3 +406,30 @@ def test_block_passes_leave_cudnn_attention_out(tok, models):
         BlockLogProbs(fused=True)(actor, batch)
     assert seen == [False] * actor.config.num_hidden_layers
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize(
+    "call, problem",
+    [
+        (lambda x, w, y: chunked_logprobs(x @ w.T, y, chunk_size=0), "chunk_size must be None or a whole number >= 1"),
+        (lambda x, w, y: chunked_logprobs(x @ w.T, y, chunk_size=-1), "chunk_size must be None or a whole number"),
+        (lambda x, w, y: chunked_logprobs(x @ w.T, y, chunk_size=2.0), "chunk_size must be None or a whole number"),
+        (lambda x, w, y: chunked_logprobs(x @ w.T, y + 5), r"labels has an id outside \[0, 5\)"),
+        (lambda x, w, y: chunked_logprobs((x @ w.T).fill_(math.nan), y), "picked from the logits contains NaN"),
+        (lambda x, w, y: fused_logprobs(x, w, y, chunk_size=0), "chunk_size must be None or a whole number"),
+        (lambda x, w, y: fused_logprobs(x, w, y + 5), r"labels has an id outside \[0, 5\)"),
+        (lambda x, w, y: fused_logprobs(x, w, y.double()), "labels must be integer token ids"),
+        (lambda x, w, y: fused_logprobs(x.to("meta"), w.to("meta"), y.to("meta")), "hidden is on the meta device"),
+        (lambda x, w, y: fused_logprobs(x, w.to("meta"), y), "weight is on meta"),
+        (lambda x, w, y: fused_logprobs(x, w, y, temperature=0.0), r"temperature must be in \[1e-6, inf\)"),
+        (lambda x, w, y: fused_logprobs(x.fill_(math.inf), w, y), "picked from the logits contains NaN or inf"),
+    ],
+)
+def test_bad_input_to_the_block_functions_is_a_value_error(call, problem):
+    """The accelerated log-prob functions keep the core's promise: a ValueError naming the problem,
+    never a torch error, uninitialised memory or a NaN."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 3, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    labels = torch.randint(0, 5, (2, 3), generator=gen)
+    with pytest.raises(ValueError, match=problem):
+        call(hidden, weight, labels)

@@ -196,6 +196,14 @@ def returns_none(prompts, responses, records):
     return None
 
 
+def returns_two(prompts, responses, records):
+    return [0.0, 0.0]  # right for a batch of 2 only
+
+
+def returns_one(prompts, responses, records):
+    return [0.0]  # right for a batch of 1 only
+
+
 @pytest.mark.parametrize(
     "extra, error, message",
     [
@@ -214,7 +222,17 @@ def returns_none(prompts, responses, records):
         (
             ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_strings"],
             ValueError,
-            "reward function test_cli:returns_strings returned a list; expected 2 numbers",
+            r"reward function test_cli:returns_strings returned a list; expected 1 number\(s\)",
+        ),
+        (
+            ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_two"],
+            ValueError,
+            r"test_cli:returns_two returned shape \(2,\); expected \(1,\)",
+        ),
+        (
+            ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_one"],
+            ValueError,
+            r"test_cli:returns_one returned shape \(1,\); expected \(3,\)",
         ),
         (
             ["data.train_files={good}", "reward_model.reward_fn=test_cli:returns_none"],

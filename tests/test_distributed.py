@@ -220,7 +220,7 @@ def test_sft_and_rm_on_two_processes_equal_one(workdir, command, overrides):
 
 
 def test_a_killed_rank_stops_the_run_and_two_processes_resume_on_one(workdir):
-    """Rank 1 is killed in step 3 (its reward function's 4th call: a probe, then one a step): the
+    """Rank 1 is killed in step 3 (its reward function's 5th call: two probes, then one a step): the
     run exits, its step-2 checkpoint loads, and one process resumes it to the same steps 3-4 as
     the uninterrupted run."""
     overrides = [
@@ -235,7 +235,7 @@ def test_a_killed_rank_stops_the_run_and_two_processes_resume_on_one(workdir):
     launch(workdir, "ppo", [*overrides, f"trainer.output_dir={whole}"], 2)
     started = time.monotonic()
     died = launch(
-        workdir, "ppo", [*overrides, f"trainer.output_dir={broken}"], 2, {"DIE_RANK": "1", "DIE_CALL": "4"}, check=False
+        workdir, "ppo", [*overrides, f"trainer.output_dir={broken}"], 2, {"DIE_RANK": "1", "DIE_CALL": "5"}, check=False
     )
     assert died.returncode != 0
     assert time.monotonic() - started < TIMEOUT_S / 2, "the surviving rank must not wait out a collective"
@@ -253,7 +253,7 @@ def test_a_rank_that_raises_is_named(workdir):
         "ppo",
         [*overrides, f"trainer.output_dir={workdir / 'raises'}"],
         2,
-        {"RAISE_RANK": "1", "RAISE_CALL": "2"},
+        {"RAISE_RANK": "1", "RAISE_CALL": "3"},
         check=False,
     )
     assert failed.returncode != 0

@@ -39,6 +39,8 @@ def test_masked_corr_edges():
         masked_corr(x, x, torch.tensor([[1.0, 0, 0], [0, 0, 0]]))
     with pytest.raises(ValueError, match="fewer than 1 valid"):
         masked_max_min(x, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="mask must contain only 0 and 1"):
+        masked_max_min(x, torch.full((2, 3), 3.0))  # not read as a mask of ones
     with pytest.raises(ValueError, match="shape mismatch"):
         masked_corr(x, x, torch.ones(2, 4))
 

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from refppo.checks import TEMPERATURES, check_number, check_tensors
 from refppo.device import trainable_forward
 from refppo.forward import model_inputs, response_logits
-from refppo.inputs import check_logits
+from refppo.inputs import check_labels, check_log_probs, check_logits
 from refppo.models import LoraDisabledReference, base_model
 
 # Elements (rows x vocab) of float32 scratch per block, by device: a CPU gains nothing from larger
@@ -228,6 +229,12 @@ class _ChunkedLinearLogSoftmax(torch.autograd.Function):
         )
 
 
+def check_chunk_size(chunk_size) -> None:
+    """Raise ValueError unless ``chunk_size`` is None (the default block) or a whole number >= 1."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a whole number >= 1, got {chunk_size!r}")
+
+
 def chunked_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -253,8 +260,12 @@ def chunked_logprobs(
         ((...) float32 log-probabilities, (...) float32 entropies or None).
     """
     check_logits(logits, labels, temperature)
-    rows = chunk_size if chunk_size is not None else max(1, CHUNK_ELEMENTS["cpu"] // logits.shape[-1])
-    logp, ent = _ChunkedLogSoftmax.apply(logits, labels, float(temperature), rows, calculate_entropy, compiled)
+    check_chunk_size(chunk_size)
+    vocab = logits.shape[-1]
+    in_vocab = labels.where((labels >= 0) & (labels < vocab), 0)  # as in logprobs_from_logits
+    rows = chunk_size if chunk_size is not None else max(1, CHUNK_ELEMENTS["cpu"] // vocab)
+    logp, ent = _ChunkedLogSoftmax.apply(logits, in_vocab, float(temperature), rows, calculate_entropy, compiled)
+    check_log_probs(logp, labels, vocab)
     return logp, ent if calculate_entropy else None
 
 
@@ -292,15 +303,23 @@ def fused_logprobs(
             f"hidden must be (..., H), weight (vocab, H) and labels (...): got hidden {tuple(hidden.shape)}, "
             f"weight {tuple(weight.shape)}, labels {tuple(labels.shape)}"
         )
-    if not float(temperature) > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_tensors(hidden=hidden, weight=weight, labels=labels)
+    check_number("temperature", temperature, TEMPERATURES)
+    check_chunk_size(chunk_size)
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device: it holds no values to compute with")
+    vocab = weight.shape[0]
+    check_labels(labels, hidden.shape[:-1], vocab)
+    in_vocab = labels.where((labels >= 0) & (labels < vocab), 0)  # as in logprobs_from_logits
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
-    rows = chunk_size if chunk_size is not None else max(1, LINEAR_CHUNK_ELEMENTS // weight.shape[0])
+    rows = chunk_size if chunk_size is not None else max(1, LINEAR_CHUNK_ELEMENTS // vocab)
     logp, ent = _ChunkedLinearLogSoftmax.apply(
-        hidden, weight, labels, float(temperature), rows, calculate_entropy, dtype, compiled
+        hidden, weight, in_vocab, float(temperature), rows, calculate_entropy, dtype, compiled
     )
+    check_log_probs(logp, labels, vocab)
     return logp, ent if calculate_entropy else None
 
 
