@@ -1,6 +1,8 @@
 """A tiny trainer on a rule reward, shared by the trainer tests."""
 
+import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from refppo.advantages import needs_critic
 from refppo.config import Config, apply_overrides
@@ -55,3 +57,46 @@ def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_criti
         with_critic = needs_critic(config.algorithm.adv_estimator)
     critic = load_value_model(model_config) if with_critic else None
     return PPOTrainer(config, TOK, actor, critic, RECORDS, RECORDS[:8], reward_fn=reward_fn, **kw)
+
+
+def same_state(source, target):
+    """Set ``target``'s trained models, optimisers and learning-rate schedules to ``source``'s."""
+    pairs = [(source.actor, target.actor), (source.actor_opt, target.actor_opt)]
+    pairs.append((source.actor_sched, target.actor_sched))
+    if source.use_critic:
+        pairs += [(source.critic, target.critic), (source.critic_opt, target.critic_opt)]
+        pairs.append((source.critic_sched, target.critic_sched))
+    for a, b in pairs:
+        b.load_state_dict(a.state_dict())
+
+
+def assert_same_steps(plain, other, steps, rel, scale):
+    """``steps`` training steps of two trainers that differ only in paths equal in exact
+    arithmetic, each step started from the same weights and optimiser state (``other`` takes
+    ``plain``'s): every metric, and the gradient of every optimiser step, equal to ``rel``
+    (relative; for a metric near 0, ``rel`` x ``scale`` absolute, ``scale`` the size of the
+    values it averages). Starting each step from the same state keeps Adam's amplification of
+    rounding (``_tolerances``, rule 2) out of the comparison."""
+    grads = []
+
+    def record(optimizer, args, kwargs):
+        grads.append([p.grad.clone() for group in optimizer.param_groups for p in group["params"]])
+
+    hook = register_optimizer_step_pre_hook(record)
+    try:
+        for _ in range(steps):
+            same_state(plain, other)
+            grads.clear()
+            a = plain.train_step()
+            plain_updates = len(grads)
+            b = other.train_step()
+            assert len(grads) == 2 * plain_updates > 0
+            step = plain.step
+            for key in a:
+                if not key.startswith(("timing", "perf/")):
+                    assert b[key] == pytest.approx(a[key], rel=rel, abs=rel * scale), f"step {step}: {key}"
+            for mine, theirs in zip(grads[:plain_updates], grads[plain_updates:]):
+                for g, h in zip(mine, theirs):
+                    assert (h - g).norm() <= rel * g.norm(), f"step {step}: a gradient differs"
+    finally:
+        hook.remove()

@@ -3,7 +3,8 @@ accelerated path a CPU can take gives the plain run's numbers."""
 
 import pytest
 import torch
-from _trainers import make_trainer
+from _tolerances import reordered
+from _trainers import assert_same_steps, make_trainer
 
 from refppo.accel import StaticDecoder, select
 from refppo.accel.gae import packed_gae_advantage_return
@@ -58,9 +59,10 @@ def test_token_budgets_per_model():
 
 def test_every_cpu_path_at_once_gives_the_plain_run():
     """Compiled log-probs from the hidden states, token-budget micro-batches and activation
-    checkpointing in both models: the same metrics and weights as the plain run over 3 steps, to
-    float rounding (the blocks sum in another order)."""
+    checkpointing in both models: 3 steps, each from the plain run's weights, with the plain run's
+    metrics and gradients to float32 rounding (the blocks and micro-batches sum in other orders)."""
     settings = ["algorithm.use_kl_in_reward=true", "actor.entropy_coeff=0.01", "data.max_response_length=6"]
+    settings.append("actor.ppo_mini_batch_size=16")  # one optimiser step a model a step
     fast = [
         "actor.use_torch_compile=true",
         "model.use_fused_kernels=true",
@@ -73,10 +75,6 @@ def test_every_cpu_path_at_once_gives_the_plain_run():
     ]
     plain, accelerated = make_trainer(settings), make_trainer([*settings, *fast])
     assert accelerated.accel != plain.accel
-    for _ in range(3):
-        a, b = plain.train_step(), accelerated.train_step()
-        for key in a:
-            if not key.startswith(("timing", "perf/", "timing_per_token")):
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
-    for p, q in zip(plain.actor.parameters(), accelerated.actor.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+    # The longest sum: a log-softmax over the 50-token vocabulary, then a mean over a mini-batch's
+    # 16 x 6 = 96 tokens (146 terms); the averaged values (log-probs, entropies, values) are < 10.
+    assert_same_steps(plain, accelerated, steps=3, rel=reordered(50 + 96), scale=10)

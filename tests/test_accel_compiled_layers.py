@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch._dynamo.utils
 from _inputs import ragged_batch, rollout
-from _trainers import make_trainer
+from _tolerances import reordered
+from _trainers import assert_same_steps, make_trainer
 
 from refppo.accel import StaticDecoder, compiled_models
 from refppo.accel.compiled_layers import CompiledForward, compile_layers, eager_layers
@@ -94,22 +95,17 @@ def test_a_model_without_decoder_layers_is_refused():
 
 
 def test_a_ppo_run_with_compiled_layers_gives_the_plain_run():
-    """model.compile_layers=true compiles the actor's, reference's and critic's layers, and 3 steps
-    give the plain run's metrics and weights to float rounding."""
+    """model.compile_layers=true compiles the actor's, reference's and critic's layers, and 3 steps,
+    each from the plain run's weights, give its metrics and gradients to float32 rounding."""
     settings = ["algorithm.use_kl_in_reward=true", "actor.entropy_coeff=0.01", "data.max_response_length=6"]
+    settings.append("actor.ppo_mini_batch_size=16")  # one optimiser step a model a step
     plain, compiled = make_trainer(settings), make_trainer([*settings, "model.compile_layers=true"])
     for model in (compiled.actor, compiled.reference, compiled.critic):
         assert all(isinstance(layer.forward, CompiledForward) for layer in model.model.layers)
     assert all("forward" not in layer.__dict__ for layer in plain.actor.model.layers)
-    start = [p.detach().clone() for p in plain.actor.parameters()]
-    for _ in range(3):
-        a, b = plain.train_step(), compiled.train_step()
-        for key in a:
-            if not key.startswith(("timing", "perf/", "timing_per_token")):
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
-    # what training changed, to float rounding (Adam's first steps amplify it where a gradient is near 0)
-    for p0, p, q in zip(start, plain.actor.parameters(), compiled.actor.parameters()):
-        assert (q - p).norm() <= 1e-3 * (p - p0).norm()
+    # Fused kernels sum a layer's products and norms in other orders: the longest chain is a
+    # 32-wide hidden state, a 50-token log-softmax and a mean over 96 tokens (as in test_accel).
+    assert_same_steps(plain, compiled, steps=3, rel=reordered(32 + 50 + 96), scale=10)
 
 
 @pytest.mark.parametrize("key", ["model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing"])
