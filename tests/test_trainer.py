@@ -330,7 +330,7 @@ def test_reward_function_errors():
     ):
         make_trainer(reward_fn=lambda p, r, rec: torch.zeros(3)).train_step()
     for wrong in (None, {"score": 1.0}, ["good"] * 16):
-        with pytest.raises(ValueError, match=f"returned a {type(wrong).__name__}; expected 16 numbers"):
+        with pytest.raises(ValueError, match=f"returned a {type(wrong).__name__}; expected 16 number\\(s\\)"):
             make_trainer(reward_fn=lambda p, r, rec, wrong=wrong: wrong).train_step()
     with pytest.raises(ValueError, match="non-finite score"):
         make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), float("nan"))).train_step()
