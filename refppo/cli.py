@@ -34,7 +34,7 @@ from refppo.loggers import check_installed
 from refppo.memory import SYNTHETIC_RECORD_BYTES
 from refppo.model_folder import check_lora_rank, check_model_folder, check_same_tokenizer, check_vocabulary
 from refppo.overrides import command_settings
-from refppo.prompts import tokenize_records
+from refppo.prompts import tokenize_prompts, tokenize_records
 from refppo.runs import RunFolder, check_free, check_resume, check_writable, summary
 from refppo.settings import format_value, ignored_settings, read_settings, valid_text, validate
 from refppo.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit, check_tiny_model_fits
@@ -97,7 +97,7 @@ def checked_tokenizer(config: Config, command: str):
     with tokens the models have no embedding for, a critic or reward model whose own tokenizer
     differs from it, and a LoRA rank above the actor's hidden size."""
     folders = _model_folders(config, command)
-    positions = config.data.max_prompt_length + config.data.max_response_length if command == "ppo" else None
+    positions = config.data.max_prompt_length + config.data.max_response_length
     specs = {
         key: check_model_folder(path, key, head=False if key == "model.path" else None, positions=positions)
         for key, path in folders
@@ -123,14 +123,15 @@ def _save_model(model, tokenizer, folder: Path, world: World) -> None:
 
 
 def run_sft(config: Config, make_run, world: World, device: torch.device) -> None:
-    """``refppo sft``: train the policy on the task's demonstrations (a tiny model from
-    ``model.arch`` and its sizes, or ``model.path``); ``make_run()`` creates the run folder, called
-    only after every check has passed; ``world`` and ``device``: the processes and this one's device."""
+    """``refppo sft``: train the policy on demonstrations, the task's or a file's
+    (:mod:`refppo.user_data`), from a tiny model of ``model.arch`` and its sizes or from
+    ``model.path``; ``make_run()`` creates the run folder, called only after every check has
+    passed; ``world`` and ``device``: the processes and this one's device."""
     from refppo.accel import select
     from refppo.accel.checkpointing import enable_gradient_checkpointing
     from refppo.accel.logprobs import check_fused_kernels
     from refppo.models import load_causal_lm, tiny_config
-    from refppo.sft import held_out_score, train_sft
+    from refppo.sft import held_out_loss, held_out_score, train_sft
 
     tokenizer = checked_tokenizer(config, "sft")
     m = config.model
@@ -146,12 +147,18 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
     if m.enable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
     shard(model, world)
-    s, examples = config.sft, sft_examples(config)
-    check_batch_fits(s.batch_size, len(examples), "sft.batch_size", "demonstrations of the task (sft.n_examples)")
-    check_generation_fits(
-        config, model.config, config.data.val_size, "data.val_size (scored after training)", world, device
-    )
+    s = config.sft
+    if config.data.task == "file":
+        examples, held, score_held = _file_demonstrations(config, tokenizer, model.config, world, device)
+    else:
+        examples, held = sft_examples(config), []
+        _, records, reward_fn = task_data(config, tokenizer)
+        scored = "data.val_size (scored after training)"
+        check_generation_fits(config, model.config, config.data.val_size, scored, world, device)
+        score_held = lambda model: held_out_score(model, tokenizer, records, reward_fn, config.data, world)
+    check_batch_fits(s.batch_size, len(examples), "sft.batch_size", "training demonstrations (sft.n_examples)")
     run = make_run()
+    log_probs_fn = select(config, device, world.distributed).actor.log_probs
     train_sft(
         model,
         tokenizer,
@@ -162,35 +169,69 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         config.trainer.seed,
         run.log,
         config.trainer.progress_bar,
-        log_probs_fn=select(config, device, world.distributed).actor.log_probs,
+        log_probs_fn=log_probs_fn,
         world=world,
     )
     _save_model(model, tokenizer, run.path / "model", world)
-    _, held_out, reward_fn = task_data(config, tokenizer)
-    run.log(s.steps, {"val/score": held_out_score(model, tokenizer, held_out, reward_fn, config.data, world)})
+    held_out = {}
+    if held:
+        held_out["val/loss"] = held_out_loss(model, tokenizer, held, log_probs_fn=log_probs_fn)
+    if score_held is not None:
+        held_out["val/accuracy" if config.data.task == "file" else "val/score"] = score_held(model)
+    if held_out:
+        run.log(s.steps, held_out)
+
+
+def _file_demonstrations(config: Config, tokenizer, model_config, world: World, device: torch.device):
+    """(training (prompt, response) pairs, held-out pairs, a function of a model giving its
+    held-out ``val/accuracy``, or None) from ``data.train_files``. The accuracy is that of the
+    model's greedy answer to the last turn of each held-out record
+    (:func:`refppo.tasks.rules.answer_accuracy`), when every held-out record has a ground truth."""
+    from refppo.sft import greedy_score
+    from refppo.tasks.rules import answer_accuracy, ground_truth
+    from refppo.user_data import demonstrations
+
+    train, held = demonstrations(config.data, tokenizer, config.trainer.seed)
+    train = train[: config.sft.n_examples]
+    pairs = lambda items: [(prompt, response) for prompt, response, _ in items]
+    last_turns = list({id(record): (prompt, record) for prompt, _, record in held}.values())
+    if not held or any(ground_truth(record) is None for _, record in last_turns):
+        return pairs(train), pairs(held), None
+    scored = "the held-out records (answered after training)"
+    check_generation_fits(config, model_config, len(last_turns), scored, world, device)
+    ids, mask = tokenize_prompts(tokenizer, [prompt for prompt, _ in last_turns], config.data.max_prompt_length)
+    records = [record for _, record in last_turns]
+    limit = config.data.max_response_length
+    accuracy = lambda model: greedy_score(model, tokenizer, ids, mask, records, answer_accuracy, limit, world)
+    return pairs(train), pairs(held), accuracy
 
 
 def run_rm(config: Config, make_run, world: World, device: torch.device) -> None:
-    """``refppo rm``: a reward model from the SFT model (``model.path``) on synthetic comparisons
-    (``data.task=preference``); ``make_run()`` as in :func:`run_sft`."""
+    """``refppo rm``: a reward model from the SFT model (``model.path``) on comparisons, synthetic
+    ones (``data.task=preference``) or a file's (:mod:`refppo.user_data`); ``make_run()`` as in
+    :func:`run_sft`."""
     from refppo.accel.checkpointing import enable_gradient_checkpointing
     from refppo.models import load_value_model
-    from refppo.reward_model import center_reward_model, train_reward_model
+    from refppo.reward_model import center_reward_model, held_out_comparisons, train_reward_model
+    from refppo.user_data import comparisons
 
-    if config.data.task != "preference":
-        raise ValueError("refppo rm trains on synthetic comparisons: set data.task=preference")
     if config.model.path is None:
         raise ValueError("refppo rm starts from the SFT model: set model.path=<sft run>/model")
     tokenizer = checked_tokenizer(config, "rm")
+    r = config.rm
+    if config.data.task == "file":
+        pairs, held = comparisons(config.data, tokenizer, config.trainer.seed)
+        centre_on = [(prompt, response) for prompt, chosen, rejected in pairs for response in (chosen, rejected)]
+    else:
+        check_fits(r.n_pairs * SYNTHETIC_RECORD_BYTES, torch.device("cpu"), f"rm.n_pairs={r.n_pairs}")
+        pairs, held = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10), []
+        centre_on = preference.make_sft_examples(512, seed=config.trainer.seed + 20)
+    check_batch_fits(r.batch_size, len(pairs), "rm.batch_size", "training comparisons (rm.n_pairs)")
     torch.manual_seed(config.trainer.seed)
     rm = load_value_model(config.model.path, tokenizer, device)
     if config.model.enable_gradient_checkpointing:
         enable_gradient_checkpointing(rm)
     shard(rm, world)
-    r = config.rm
-    check_fits(r.n_pairs * SYNTHETIC_RECORD_BYTES, torch.device("cpu"), f"rm.n_pairs={r.n_pairs}")
-    check_batch_fits(r.batch_size, r.n_pairs, "rm.batch_size", "comparisons (rm.n_pairs)")
-    pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
     run = make_run()
     train_reward_model(
         rm,
@@ -205,9 +246,10 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
         world,
     )
     if r.center:
-        prompts, responses = zip(*preference.make_sft_examples(512, seed=config.trainer.seed + 20))
-        center_reward_model(rm, tokenizer, list(prompts), list(responses))
+        center_reward_model(rm, tokenizer, [p for p, _ in centre_on], [response for _, response in centre_on])
     _save_model(rm, tokenizer, run.path / "model", world)
+    if held:
+        run.log(r.steps, held_out_comparisons(rm, tokenizer, held))
 
 
 def probe_reward_fn(reward_fn, records: list[dict], tokenizer, data) -> None:

@@ -69,6 +69,10 @@ VAL_SAMPLING = when(lambda s: s.owner.do_sample, "rollout.val_kwargs.do_sample=t
 LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
 FILE_TASK = when(lambda s: s.config.data.task == "file", "data.task=file")
 ARITHMETIC = when(lambda s: s.config.data.task == "arithmetic", "data.task=arithmetic")
+PREFERENCE = when(lambda s: s.config.data.task == "preference", "data.task=preference")
+RM_FILE = when(  # refppo rm checks the lengths of a file's comparisons; synthetic ones fit anyway
+    lambda s: s.command != "rm" or s.config.data.task == "file", "data.task=file (a file's comparisons)"
+)
 REWARD_MODEL = when(lambda s: s.config.reward_model.enable, "reward_model.enable=true")
 RULE_SCORES = when(lambda s: not s.config.reward_model.enable, "reward_model.enable=false (a rule or reward_fn scores)")
 DAPO_MANAGER = when(lambda s: s.config.reward_model.reward_manager == "dapo", "reward_model.reward_manager=dapo")
@@ -81,8 +85,15 @@ TINY_MODEL = {"commands": ("sft",), "needs": FRESH_MODEL, "unread_because": "the
 
 
 EVALUATION_PROMPTS = when(
-    lambda s: not (s.config.data.task == "file" and s.config.data.val_files),
-    "data.val_files=null (data.val_files holds the evaluation prompts)",
+    lambda s: not (s.config.data.task == "file" and (s.config.data.val_files or s.command == "sft")),
+    lambda s: (
+        "data.val_files=null (data.val_files holds the evaluation prompts)"
+        if s.command == "ppo"
+        else "data.task=arithmetic or preference (refppo sft holds out data.val_fraction of a file)"
+    ),
+)
+HELD_OUT_SHARE = when(
+    lambda s: not s.config.data.val_files, "data.val_files=null (data.val_files holds the held-out records)"
 )
 
 

@@ -33,6 +33,7 @@ from refppo.conditions import (
     FILE_TASK,
     FILTERING,
     HAS_CRITIC,
+    HELD_OUT_SHARE,
     IS_WEIGHTS,
     KL_CTRL_ADAPTIVE,
     KL_CTRL_TARGET,
@@ -44,9 +45,11 @@ from refppo.conditions import (
     OLD_LOG_PROB_PASS,
     ONE_CLIP_BOUND_UNSET,
     OVERLONG,
+    PREFERENCE,
     REFERENCE,
     REJECTING,
     REWARD_MODEL,
+    RM_FILE,
     RULE_SCORES,
     TINY_MODEL,
     VAL_SAMPLING,
@@ -93,20 +96,31 @@ RATE, POSITIVE_RATE = "[0, 1e10]", "(0, 1e10]"
 class DataConfig:
     """``data.*`` (verl's ``data.*``): where prompts come from, batch size and length limits."""
 
-    task: str = setting("arithmetic", TASKS, commands=COMMANDS)  # file: prompts from data.train_files
-    # JSONL or Parquet with a prompt column: texts or chats (verl's format)
-    train_files: tuple[str, ...] | None = setting(None, needs=FILE_TASK)  # one file, or several: [a,b]
-    val_files: tuple[str, ...] | None = setting(None, needs=FILE_TASK)  # None: the first data.val_size training prompts
-    prompt_key: str = setting("prompt", needs=FILE_TASK)
+    # file: data.train_files (ppo: prompts; sft: demonstrations; rm: comparisons; refppo.user_data)
+    task: str = setting("arithmetic", TASKS, commands=COMMANDS)
+    # JSONL or Parquet: one file, or several ([a,b]); ppo's prompts are texts or chats (verl's format)
+    train_files: tuple[str, ...] | None = setting(None, commands=COMMANDS, needs=FILE_TASK)
+    # held-out records; None: ppo evaluates the first data.val_size training prompts, sft and rm
+    # hold out data.val_fraction of the training records
+    val_files: tuple[str, ...] | None = setting(None, commands=COMMANDS, needs=FILE_TASK)
+    val_fraction: float = setting(0.1, "[0, 1)", commands=("sft", "rm"), needs=(FILE_TASK, HELD_OUT_SHARE))
+    prompt_key: str = setting("prompt", commands=COMMANDS, needs=FILE_TASK)  # a text or a chat
+    # sft: a record is a chat under messages_key, or a prompt and a response (TRL's prompt / completion)
+    messages_key: str = setting("messages", commands=("sft",), needs=FILE_TASK)
+    response_key: str = setting("completion", commands=("sft",), needs=FILE_TASK)
+    # rm: the preferred and the other response of a comparison (texts or chats)
+    chosen_key: str = setting("chosen", commands=("rm",), needs=FILE_TASK)
+    rejected_key: str = setting("rejected", commands=("rm",), needs=FILE_TASK)
     train_batch_size: int = setting(64, COUNT)  # prompts per step
     # prompts evaluated (arithmetic's are held out of training; preference has only 56); SFT scores
     # one greedy response to each, within the two length limits
     val_size: int = setting(200, COUNT, commands=("sft", "ppo"), needs=EVALUATION_PROMPTS)
-    max_prompt_length: int = setting(16, COUNT, commands=("sft", "ppo"))
-    max_response_length: int = setting(8, COUNT, commands=("sft", "ppo"))
+    max_prompt_length: int = setting(16, COUNT, commands=COMMANDS, needs=RM_FILE)
+    max_response_length: int = setting(8, COUNT, commands=COMMANDS, needs=RM_FILE)
     truncation: str = setting("error", TRUNCATION_MODES)
-    # drop the prompts longer than data.max_prompt_length instead (verl's; before any truncation)
-    filter_overlong_prompts: bool = setting(False, needs=FILE_TASK)
+    # drop the prompts longer than data.max_prompt_length instead (verl's; before any truncation);
+    # sft and rm: the records whose prompt or responses are longer than the two limits
+    filter_overlong_prompts: bool = setting(False, commands=COMMANDS, needs=FILE_TASK)
 
 
 @dataclass
@@ -416,8 +430,10 @@ class RMConfig:
     steps: int = setting(400, COUNT)
     batch_size: int = setting(64, COUNT)
     lr: float = setting(3e-4, POSITIVE_RATE)
-    n_pairs: int = setting(2000, COUNT)
-    center: bool = setting(True)  # shift the head's bias so SFT samples score 0 on average
+    n_pairs: int = setting(2000, COUNT, needs=PREFERENCE)  # synthetic comparisons
+    # shift the head's bias so that SFT samples (data.task=preference) or the training pairs'
+    # responses (data.task=file) score 0 on average
+    center: bool = setting(True)
 
 
 @dataclass

@@ -58,20 +58,14 @@ class EpochSampler:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
 
-def load_records(
-    path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None, drop_overlong: bool = False
-) -> list[dict]:
-    """Prompt records from a JSONL or Parquet file; each needs a ``prompt_key`` that holds a text,
-    or a chat (a list of ``{"role", "content"}`` messages, as in verl's datasets) that the
-    trainer renders with the tokenizer's chat template (:func:`refppo.prompts.encode_prompts`).
+def read_records(path: str) -> list[tuple[str, dict]]:
+    """Every record of a JSONL or Parquet file, each with where it is ("file.jsonl:3",
+    "file.parquet: row 3") for errors. A missing file or a folder, bytes that are not UTF-8, a
+    line that is not JSON and a file without records are refused, naming the file and line; a
+    Parquet list column arrives as a list.
 
-    Every problem is found here, before any training, and named by file and line (row for
-    Parquet): a missing file or a folder, bytes that are not UTF-8, a line that is not JSON, a
-    record without the prompt or with one that is neither a text nor a chat, and, given
-    ``tokenizer``, a chat it has no template for or that its template refuses (a role it does not
-    know) and, given ``max_prompt_length`` too, a prompt with more tokens than that
-    (``data.truncation=error``), which ``drop_overlong`` drops instead
-    (``data.filter_overlong_prompts``).
+    Returns:
+        (where, record) pairs in file order; a record may be any JSON value (the callers check).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(f"dataset path {path!r} is a folder; give a .jsonl or .parquet file")
@@ -80,15 +74,7 @@ def load_records(
     if not os.path.isfile(path):  # a device, a pipe or a socket: nothing to read records from twice
         raise ValueError(f"dataset path {path!r} is not a regular file; give a .jsonl or .parquet file")
     if path.endswith(".parquet"):
-        try:
-            import pandas as pd
-        except ImportError:
-            raise ImportError("reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
-        try:
-            table = pd.read_parquet(path)
-        except (ValueError, OSError) as e:  # pyarrow's errors for a foreign or damaged file derive from these
-            raise ValueError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
-        located = [(f"{path}: row {n}", rec) for n, rec in enumerate(table.to_dict("records"), 1)]
+        located = [(f"{path}: row {n}", _plain(rec)) for n, rec in enumerate(_parquet_rows(path), 1)]
     else:
         located = []
         with open(path, "rb") as f:
@@ -105,11 +91,51 @@ def load_records(
                     raise ValueError(f"{path}:{n} is nested too deeply to read") from None
     if not located:
         raise ValueError(f"{path} holds no records")
+    return located
+
+
+def _parquet_rows(path: str) -> list[dict]:
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError("reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
+    try:
+        table = pd.read_parquet(path)
+    except (ValueError, OSError) as e:  # pyarrow's errors for a foreign or damaged file derive from these
+        raise ValueError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+    return table.to_dict("records")
+
+
+def _plain(value):
+    """A Parquet cell as JSON would give it: numpy arrays (list columns) as lists, all the way down."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def load_records(
+    path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None, drop_overlong: bool = False
+) -> list[dict]:
+    """Prompt records from a JSONL or Parquet file (:func:`read_records`); each needs a
+    ``prompt_key`` that holds a text, or a chat (a list of ``{"role", "content"}`` messages, as in
+    verl's datasets) that the trainer renders with the tokenizer's chat template
+    (:func:`refppo.prompts.encode_prompts`).
+
+    Every problem is found here, before any training, and named by file and line (row for
+    Parquet): those of :func:`read_records`, a record without the prompt or with one that is
+    neither a text nor a chat, and, given ``tokenizer``, a chat it has no template for or that its
+    template refuses (a role it does not know) and, given ``max_prompt_length`` too, a prompt with
+    more tokens than that (``data.truncation=error``), which ``drop_overlong`` drops instead
+    (``data.filter_overlong_prompts``).
+    """
+    located = read_records(path)
     for where, rec in located:
         if not isinstance(rec, dict) or prompt_key not in rec:
             raise ValueError(f"{where}: the record has no field {prompt_key!r} (data.prompt_key)")
-        if hasattr(rec[prompt_key], "tolist"):  # Parquet: a list column arrives as a numpy array
-            rec[prompt_key] = rec[prompt_key].tolist()
         if (problem := prompt_problem(rec[prompt_key], tokenizer)) is not None:
             raise ValueError(f"{where}: the record's {prompt_key!r} {problem} (data.prompt_key)")
     if tokenizer is not None:  # renders every chat, so a template's refusal is named here

@@ -79,6 +79,30 @@ def train_reward_model(
 
 
 @torch.no_grad()
+def held_out_comparisons(reward_model, tokenizer, comparisons: list[tuple], batch_size: int = 64) -> dict[str, float]:
+    """How a reward model ranks comparisons it did not train on: ``val/accuracy``, the share whose
+    chosen response scores higher, and ``val/margin``, the mean of score(chosen) - score(rejected).
+
+    Args:
+        reward_model: a scalar-head model.
+        tokenizer: its tokenizer.
+        comparisons: (prompt, chosen, rejected) triples, the prompt a text or a chat.
+        batch_size: comparisons per forward pass.
+    """
+    if not comparisons:
+        raise ValueError("no held-out comparisons")
+    margins = []
+    for start in range(0, len(comparisons), batch_size):
+        chunk = comparisons[start : start + batch_size]
+        prompts = [prompt for prompt, _, _ in chunk]
+        responses = [chosen for _, chosen, _ in chunk] + [rejected for _, _, rejected in chunk]
+        scores = compute_scores(reward_model, build_batch(tokenizer, prompts * 2, responses))
+        margins.append(scores[: len(chunk)] - scores[len(chunk) :])
+    margin = torch.cat(margins)
+    return {"val/accuracy": float((margin > 0).float().mean()), "val/margin": float(margin.mean())}
+
+
+@torch.no_grad()
 def center_reward_model(reward_model, tokenizer, prompts: list[str], responses: list[str]) -> float:
     """Shift the head's bias so these (SFT) samples score 0 on average; returns the shift."""
     mean = compute_scores(reward_model, build_batch(tokenizer, prompts, responses)).mean().item()

@@ -26,8 +26,9 @@ def _source_digest() -> str:
 def cached_run(command: str, overrides: list[str], cache_dir: str | os.PathLike | None = None) -> Path:
     """Run ``refppo <command> <overrides>`` once; later calls return the finished run folder.
 
-    The folder's name hashes the command, its resolved config and refppo's source, so a changed
-    setting or a changed package runs again. The run is written to a temporary folder that is
+    The folder's name hashes the command, its resolved config, the contents of its data files
+    (``data.train_files``, ``data.val_files``) and refppo's source, so a changed setting, file or
+    package runs again. The run is written to a temporary folder that is
     renamed into place only when it has finished, so an interrupted run is never reused. This is
     how the chapters reuse the checkpoints they train (design section 5).
 
@@ -44,8 +45,11 @@ def cached_run(command: str, overrides: list[str], cache_dir: str | os.PathLike 
     config = validate(
         apply_overrides(Config(), [*overrides, "trainer.output_dir=-", "trainer.progress_bar=false"]), command
     )
+    files = [*(config.data.train_files or ()), *(config.data.val_files or ())]
+    data = {path: hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in files if Path(path).is_file()}
     spec = json.dumps(
-        {"command": command, "config": config_to_dict(config), "source": _source_digest()}, sort_keys=True
+        {"command": command, "config": config_to_dict(config), "data": data, "source": _source_digest()},
+        sort_keys=True,
     )
     root = Path(cache_dir or os.environ.get("REFPPO_CACHE") or Path.home() / ".cache" / "refppo")
     final = root / f"{command}-{hashlib.sha256(spec.encode()).hexdigest()[:16]}"

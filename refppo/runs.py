@@ -390,12 +390,14 @@ def summary(path: str | os.PathLike) -> str:
     path = Path(path)
     rows = load_metrics(path)
     lines = [f"run {path}: {rows[-1]['step'] if rows else 0} steps"]
-    for key in ("val/score", "val/gold"):  # the trained score, and the hidden one beside a reward model
+    # the trained score, the hidden one beside a reward model, SFT's loss and a reward model's
+    # ranking on held-out records
+    for key in ("val/score", "val/gold", "val/loss", "val/accuracy", "val/margin"):
         val = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if len(val) == 1:
             lines.append(f"  {key}: {val[0][1]:.4g} (step {val[0][0]})")
         elif val:
-            best = max(val, key=lambda sv: sv[1])
+            best = (min if key == "val/loss" else max)(val, key=lambda sv: sv[1])
             lines.append(
                 f"  {key}: first {val[0][1]:.4g} (step {val[0][0]}), last {val[-1][1]:.4g} (step {val[-1][0]}), "
                 f"best {best[1]:.4g} (step {best[0]})"

@@ -333,9 +333,9 @@ def validate(config: Config, command: str = "ppo") -> Config:
     """
     _check_values(config)
     _require(
-        command != "sft" or config.data.task != "file",
-        "refppo sft trains on the demonstrations of an offline task: set data.task=arithmetic or preference "
-        "(data.task=file is for refppo ppo)",
+        command != "rm" or config.data.task != "arithmetic",
+        "refppo rm trains on comparisons: data.task=preference (synthetic ones) or data.task=file with "
+        "data.train_files (your own: chosen and rejected responses)",
     )
     _check_combinations(config)
     _check_batches(config)

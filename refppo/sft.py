@@ -142,6 +142,34 @@ def train_steps(
 
 
 @torch.no_grad()
+def held_out_loss(
+    model, tokenizer, examples: list[tuple], batch_size: int = 64, log_probs_fn: LogProbsFn = response_log_probs
+) -> float:
+    """SFT's loss on demonstrations it did not train on: the mean negative log-likelihood of all
+    their response tokens (EOS included), ``val/loss``.
+
+    Args:
+        model: a causal LM (sharded or not: every process computes the whole mean).
+        tokenizer: its tokenizer.
+        examples: (prompt, response) pairs, the prompt a text or a chat.
+        batch_size: examples per forward pass.
+        log_probs_fn: as in :func:`sft_loss`.
+    """
+    if not examples:
+        raise ValueError("no held-out examples")
+    nll, tokens = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        prompts = [prompt for prompt, _ in examples[start : start + batch_size]]
+        responses = [response for _, response in examples[start : start + batch_size]]
+        batch = build_batch(tokenizer, prompts, responses)
+        log_probs, _ = log_probs_fn(model, batch, 1.0, False)
+        mask = batch["response_mask"].to(log_probs.device)
+        nll -= float((log_probs * mask).sum())
+        tokens += int(mask.sum())
+    return nll / tokens
+
+
+@torch.no_grad()
 def held_out_score(model, tokenizer, records: list[dict], reward_fn, data, world: World = SINGLE) -> float:
     """Mean score of one greedy response to each held-out record: a model's ``val/score``, which a
     PPO run from it logs again at step 0.
@@ -155,8 +183,26 @@ def held_out_score(model, tokenizer, records: list[dict], reward_fn, data, world
         world: the processes; each scores every record.
     """
     ids, mask = tokenize_records(tokenizer, records, data)
+    return greedy_score(model, tokenizer, ids, mask, records, reward_fn, data.max_response_length, world)
+
+
+@torch.no_grad()
+def greedy_score(
+    model, tokenizer, ids, mask, records: list[dict], reward_fn, max_response_length: int, world: World = SINGLE
+) -> float:
+    """Mean score of one greedy response to each prompt.
+
+    Args:
+        model: a causal LM (sharded or not).
+        tokenizer: its tokenizer.
+        ids, mask: (N, P) left-padded prompt ids and their 0/1 mask.
+        records: the N records the reward function reads (e.g. their ground truths).
+        reward_fn: ``fn(prompts, responses, records) -> (N,)`` scores.
+        max_response_length: the longest response generated.
+        world: the processes; each scores every prompt.
+    """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     with Unsharded(model, world):
-        batch = generate(model, ids, mask, eos, pad, data.max_response_length, do_sample=False)
+        batch = generate(model, ids, mask, eos, pad, max_response_length, do_sample=False)
     scores = reward_fn(*decode_texts(tokenizer, batch), records)
     return float(check_scores(scores, len(records), f"reward function {describe(reward_fn)}").mean())

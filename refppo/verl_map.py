@@ -16,6 +16,12 @@ OWN_COMMAND = "refppo's own {} command; verl trains {} with a separate program"
 REFPPO_ONLY = {
     "data.task": "refppo's offline tasks (arithmetic, preference); file reads data.train_files as verl does",
     "data.val_size": "how many prompts an offline task holds out for evaluation",
+    "data.val_fraction": OWN_COMMAND.format("sft and rm", "SFT and reward models")
+    + "; the share of a file held out when there is no data.val_files",
+    "data.messages_key": OWN_COMMAND.format("sft", "SFT") + " (its data.multiturn.messages_key)",
+    "data.response_key": OWN_COMMAND.format("sft", "SFT") + " (its data.response_key; TRL's completion)",
+    "data.chosen_key": OWN_COMMAND.format("rm", "reward models") + " (OpenRLHF's --chosen_key)",
+    "data.rejected_key": OWN_COMMAND.format("rm", "reward models") + " (OpenRLHF's --rejected_key)",
     **{f"model.{k}": TINY for k in ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads")},
     "model.num_key_value_heads": TINY,
     "actor.penalty_kl_coef": "PPO-penalty (ch 2), a loss verl does not have",

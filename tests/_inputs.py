@@ -72,6 +72,13 @@ def chat_tokenizer(template: str = "bos"):
     return tok
 
 
+def templateless_tokenizer():
+    """The offline tasks' character tokenizer without a chat template, as many a base model's is."""
+    tok = build_tokenizer()
+    tok.chat_template = None
+    return tok
+
+
 MASK_KINDS = ("full", "ragged", "holes", "with_empty_rows")
 
 

@@ -1,10 +1,9 @@
 import json
 
 import pytest
-from _inputs import chat_tokenizer
+from _inputs import chat_tokenizer, templateless_tokenizer
 
 from refppo.data import EpochSampler, load_records
-from refppo.tasks.tokenizer import build_tokenizer
 
 
 def test_epoch_sampler_epochs_and_state():
@@ -55,7 +54,7 @@ def test_chat_prompts_are_checked_at_load_time(tmp_path):
     with pytest.raises(
         ValueError, match="mixed.jsonl:2: the record's 'prompt' is a chat, but the tokenizer has no chat template"
     ):
-        load_records(path, "prompt", build_tokenizer())
+        load_records(path, "prompt", templateless_tokenizer())
     tok = chat_tokenizer()
     with pytest.raises(ValueError, match="mixed.jsonl:3: the record's 'prompt' is neither a text nor a chat"):
         load_records(path, "prompt", tok)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from _inputs import CHAT_TEMPLATES, chat_tokenizer
+from _inputs import CHAT_TEMPLATES, chat_tokenizer, templateless_tokenizer
 
 from refppo.config import Config, apply_overrides
 from refppo.prompts import (
@@ -78,9 +78,9 @@ def test_chat_prompts_are_encoded_as_verl_encodes_them(template):
         (7, "prompt 1 is neither a text nor a chat"),
     ],
 )
-def test_prompts_that_are_neither_texts_nor_renderable_chats_are_refused(tok, prompt, message):
+def test_prompts_that_are_neither_texts_nor_renderable_chats_are_refused(prompt, message):
     with pytest.raises(ValueError, match=message):
-        tokenize_prompts(tok, ["1+1=", prompt])
+        tokenize_prompts(templateless_tokenizer(), ["1+1=", prompt])
 
 
 def test_position_ids_count_only_attended_tokens():

@@ -34,3 +34,14 @@ def test_cached_run_trains_once_per_setting(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     with pytest.raises(ValueError, match="unknown command 'eval'"):
         run_cache.cached_run("eval", [], tmp_path)
+
+
+def test_a_changed_data_file_runs_again(tmp_path):
+    """The same settings over a data file whose contents changed are another run."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "completion": "{i + 1}"}}\n' for i in range(8)))
+    args = ["data.task=file", f"data.train_files={data}", "sft.steps=1", "sft.batch_size=2", *TINY]
+    first = run_cache.cached_run("sft", args, tmp_path / "cache")
+    assert run_cache.cached_run("sft", args, tmp_path / "cache") == first
+    data.write_text(data.read_text().replace('"2"', '"3"'))
+    assert run_cache.cached_run("sft", args, tmp_path / "cache") != first

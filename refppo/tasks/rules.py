@@ -60,3 +60,30 @@ def rule_reward(prompts: list[str], responses: list[str], records: list[dict]) -
         B scores.
     """
     return [RULES[r["data_source"]](text, r["reward_model"]["ground_truth"]) for text, r in zip(responses, records)]
+
+
+def ground_truth(record: dict) -> str | None:
+    """A record's ``reward_model.ground_truth`` text (verl's schema), or None."""
+    truth = record.get("reward_model")
+    return truth.get("ground_truth") if isinstance(truth, dict) and isinstance(truth.get("ground_truth"), str) else None
+
+
+def answer_accuracy(prompts: list[str], responses: list[str], records: list[dict]) -> list[float]:
+    """Each response scored against its record's ground truth: by the record's ``data_source``
+    rule where refppo has one (:func:`rule_reward`), else 1.0 when the response, stripped, is the
+    ground truth, stripped (SFT's held-out accuracy on a user's records).
+
+    Args:
+        prompts: B prompt texts (unused).
+        responses: B decoded responses.
+        records: the B records, each with a ground truth (:func:`ground_truth`).
+
+    Returns:
+        B scores.
+    """
+    return [
+        RULES[r["data_source"]](text, ground_truth(r))
+        if rule_problem(r) is None
+        else float(text.strip() == ground_truth(r).strip())
+        for text, r in zip(responses, records)
+    ]

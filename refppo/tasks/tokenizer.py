@@ -14,13 +14,23 @@ from transformers import PreTrainedTokenizerFast
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # Digits and operators for arithmetic, letters and punctuation for the preference task.
 CHARS = "0123456789+-*=? abcdefghijklmnopqrstuvwxyz.,:!"
+# A minimal chat template in that alphabet, for chats in a user's files (refppo sft, rm and ppo):
+# each turn is "<the role's first letter>: <content> ", an assistant turn closed by EOS as the
+# model's own answers are, and the assistant's turn opened as "a: ". [user "3+4="] renders as
+# "<bos>u: 3+4= a: ", and the model answers "7<eos>".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %} {% endfor %}"
+    "{% if add_generation_prompt %}a: {% endif %}"
+)
 
 
 def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0-3 are <pad>, <bos>, <eos>, <unk>, then one id per char.
 
     Encoding a text prepends <bos>; characters outside ``chars`` map to <unk>; decoding joins
-    the characters back without separators. Prompts are padded on the left.
+    the characters back without separators. Prompts are padded on the left. Chats render with
+    :data:`CHAT_TEMPLATE`.
 
     Args:
         chars: the characters of the vocabulary, each once.
@@ -44,4 +54,5 @@ def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
         eos_token="<eos>",
         unk_token="<unk>",
         padding_side="left",
+        chat_template=CHAT_TEMPLATE,
     )
