@@ -1,4 +1,4 @@
-"""Texts to a rollout-layout batch: ``refppo.prompts.build_batch`` (the batch tokenized in one call,
+"""Texts to a rollout-layout batch: ``refppo.rollout.prompts.build_batch`` (the batch tokenized in one call,
 one tensor per field) vs the same batch built a text and a row at a time, side by side in one run.
 
 SFT and the reward model build one such batch every step (64 demonstrations; 2 x 64 texts of
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from refppo.prompts import build_batch, sequence_batch
+from refppo.rollout.prompts import build_batch, sequence_batch
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 

@@ -4,8 +4,8 @@ actor micro-batch's forward + backward, as the update runs it.
 Two copies of one workload's actor (``bench_ppo_step.py``'s shapes, random weights), one with
 checkpointing; a left-padded micro-batch of ``--rows`` rows x (prompt + response) tokens (one
 row padded, so the passes carry a mask as a PPO batch's do). Reports the peak bytes of the
-tensors the pass allocates (``refppo.memory.PeakMeter``; the weights excluded) beside the
-arithmetic (``refppo.memory.activation_bytes``, ``refppo.accel.checkpointing.checkpointed_activation_bytes``),
+tensors the pass allocates (``refppo.guards.memory.PeakMeter``; the weights excluded) beside the
+arithmetic (``refppo.guards.memory.activation_bytes``, ``refppo.accel.checkpointing.checkpointed_activation_bytes``),
 and the median time of alternating repeats; asserts that both give the same gradient (bit for bit on a CPU).
 Usage: python benchmarks/bench_checkpointing.py [--workload W2|W3|Q] [--rows N] [--device cpu|cuda]
        [--repeats 7] [--threads T]
@@ -20,10 +20,10 @@ from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result
 from bench_ppo_step import WORKLOADS, workload_model
 
 from refppo.accel.checkpointing import checkpointed_activation_bytes, enable_gradient_checkpointing
-from refppo.forward import response_log_probs
-from refppo.memory import PeakMeter, activation_bytes
-from refppo.models import load_causal_lm
-from refppo.prompts import sequence_batch
+from refppo.guards.memory import PeakMeter, activation_bytes
+from refppo.rollout.forward import response_log_probs
+from refppo.rollout.models import load_causal_lm
+from refppo.rollout.prompts import sequence_batch
 
 
 def micro_batch(rows: int, prompt_len: int, response_len: int, vocab: int, device: str) -> dict[str, torch.Tensor]:

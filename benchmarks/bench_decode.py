@@ -25,8 +25,8 @@ from bench_gae import timed  # timed(fn, device, repeats) -> (median seconds, re
 from bench_ppo_step import QWEN_05B, word_tokenizer
 
 from refppo.accel import decoding
-from refppo.generation import generate as sample
-from refppo.models import load_causal_lm, tiny_config
+from refppo.rollout.generation import generate as sample
+from refppo.rollout.models import load_causal_lm, tiny_config
 
 SIDES = ("transformers' SDPA", "grouped")
 

@@ -24,8 +24,8 @@ from bench_gae import timed  # one run: timed(fn, device, 1) -> (seconds, result
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from refppo.accel.token_budget import TokenBudgetPasses
-from refppo.forward import ForwardPasses, response_log_probs
-from refppo.prompts import sequence_batch
+from refppo.rollout.forward import ForwardPasses, response_log_probs
+from refppo.rollout.prompts import sequence_batch
 
 
 def ragged_batch(rows: int, vocab: int, device: str, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -71,10 +71,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from refppo.accel import logprobs
-from refppo.config import Config, apply_overrides
-from refppo.models import freeze, load_causal_lm, load_value_model, make_reference, tiny_config
-from refppo.settings import validate
-from refppo.trainer import PPOTrainer
+from refppo.rollout.models import freeze, load_causal_lm, load_value_model, make_reference, tiny_config
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
+from refppo.training.trainer import PPOTrainer
 
 QWEN_05B = dict(
     arch="qwen2",
@@ -199,7 +199,7 @@ RM_MICRO = "reward_model.micro_batch_size_per_gpu"
 
 def benchmark_config(overrides: list[str]) -> Config:
     """The validated config of ``overrides``. The reward model is passed to the trainer as a
-    model, not by ``reward_model.enable`` and a path, so :func:`refppo.config.validate` would
+    model, not by ``reward_model.enable`` and a path, so :func:`refppo.settings.config.validate` would
     refuse its micro-batch size as unread; the trainer reads it for any reward model it is given,
     so it is set after validation."""
     rm_micro = [o for o in overrides if o.startswith(RM_MICRO + "=")]

@@ -15,7 +15,7 @@ import statistics
 import torch
 from bench_ppo_step import WORKLOADS, build
 
-import refppo.trainer
+import refppo.training.trainer
 
 
 def main() -> None:
@@ -28,17 +28,17 @@ def main() -> None:
     micro = [f"{role}.ppo_micro_batch_size_per_gpu={args.micro}" for role in ("actor", "critic")]
     trainer = build(args.workload, args.device, extra=tuple(micro))
     batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
-    once = refppo.trainer.value_checks
+    once = refppo.training.trainer.value_checks
     every = lambda enabled: contextlib.nullcontext()  # noqa: E731  the checks stay on inside the loop
     times = {"once per step": [], "every micro-batch": []}
     for i in range(2 * args.repeats + 2):
         name = "once per step" if i % 2 == 0 else "every micro-batch"
-        refppo.trainer.value_checks = once if i % 2 == 0 else every
+        refppo.training.trainer.value_checks = once if i % 2 == 0 else every
         timing = {}
         trainer.update(batch, timing)
         if i >= 2:  # the first pair warms up
             times[name].append(timing["timing_s/update_critic"] + timing["timing_s/update_actor"])
-    refppo.trainer.value_checks = once
+    refppo.training.trainer.value_checks = once
     rows = batch["response_mask"].shape[0]
     print(
         f"{args.workload} {args.device}, {rows} rows, micro-batches of {args.micro}: update (critic + actor), median "

@@ -3,8 +3,8 @@
 Each run is ``torchrun --nproc_per_node N`` of this script (``--worker``): every process builds the
 same causal LM (``--hidden``, ``--layers``, random weights), shards it with
 ``refppo.distributed.shard``, takes one AdamW step on a micro-batch of ``--rows`` x ``--tokens``,
-and reports ``refppo.memory.held_bytes`` (its shards of the weights, gradients and Adam moments),
-``refppo.memory.state_bytes(processes=N)``'s arithmetic, the peak of the tensors the step
+and reports ``refppo.guards.memory.held_bytes`` (its shards of the weights, gradients and Adam moments),
+``refppo.guards.memory.state_bytes(processes=N)``'s arithmetic, the peak of the tensors the step
 allocated (``PeakMeter``: activations and the gathered layers) and the process's peak resident
 memory (``ru_maxrss``: everything, Python and libraries included). gloo on a CPU, NCCL on CUDA.
 Usage: python benchmarks/fsdp_memory.py [--processes 2] [--hidden 512] [--layers 8] [--rows 4]
@@ -26,8 +26,8 @@ HERE = Path(__file__).resolve().parent
 
 def worker(args) -> None:
     from refppo.distributed import World, shard, start, stop
-    from refppo.memory import PeakMeter, held_bytes, state_bytes
-    from refppo.models import load_causal_lm, tiny_config
+    from refppo.guards.memory import PeakMeter, held_bytes, state_bytes
+    from refppo.rollout.models import load_causal_lm, tiny_config
     from refppo.tasks.tokenizer import build_tokenizer
 
     world = World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), distributed=True)

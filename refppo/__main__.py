@@ -1,5 +1,5 @@
 """``python -m refppo sft|rm|ppo ...``: the same as the ``refppo`` command."""
 
-from refppo.cli import entry
+from refppo.runs.cli import entry
 
 raise SystemExit(entry())

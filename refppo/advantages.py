@@ -1,7 +1,7 @@
 """Advantage estimators the book teaches: GAE (ch 4), GRPO and RLOO (ch 6), REINFORCE++ (ch 7), and a
-registry by name (verl's other estimators: :mod:`refppo.verl_advantages`).
+registry by name (verl's other estimators: :mod:`refppo.algorithms.verl_advantages`).
 
-All tensors are response-only, shape ``(batch, response_len)``; see design section 3.
+All tensors are response-only, shape ``(batch, response_len)`` (the layout of :mod:`refppo.rollout.prompts`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from refppo.checks import check_flag, check_number, checks_once
 from refppo.functional import masked_whiten
-from refppo.inputs import check_outcome_inputs, checked_gae_inputs, checked_return_inputs, group_ids, work_dtype
+from refppo.guards.checks import check_flag, check_number, checks_once
+from refppo.guards.inputs import check_outcome_inputs, checked_gae_inputs, checked_return_inputs, group_ids, work_dtype
 from refppo.registry import Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_flag, check_ndim, check_values, checks_once
-from refppo.inputs import check_log_probs, check_logits, check_masked
+from refppo.guards.checks import check_flag, check_ndim, check_values, checks_once
+from refppo.guards.inputs import check_log_probs, check_logits, check_masked
 
 
 @checks_once

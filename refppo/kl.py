@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import TEMPERATURES, check_choice, check_number, check_same_shape, check_values, checks_once
-from refppo.inputs import check_kl_update
+from refppo.guards.checks import TEMPERATURES, check_choice, check_number, check_same_shape, check_values, checks_once
+from refppo.guards.inputs import check_kl_update
 from refppo.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator")

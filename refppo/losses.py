@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import check_choice, check_ndim, check_number, check_values, checks_once
 from refppo.functional import masked_mean, masked_sum
-from refppo.inputs import check_loss_inputs, check_pair_inputs, clip_bounds
+from refppo.guards.checks import check_choice, check_ndim, check_number, check_values, checks_once
+from refppo.guards.inputs import check_loss_inputs, check_pair_inputs, clip_bounds
 from refppo.kl import kl_penalty
 from refppo.registry import Registry
 
@@ -111,7 +111,7 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
 
 
 POLICY_LOSSES = Registry("policy loss")
-# verl's other policy losses (GSPO, SAPO, CISPO, GMPO, GPG) are in refppo.verl_losses.
+# verl's other policy losses (GSPO, SAPO, CISPO, GMPO, GPG) are in refppo.algorithms.verl_losses.
 # A policy loss receives, by parameter name, old_log_prob, log_prob, advantages, response_mask,
 # rollout_is_weights (when the actor computes them) and any field of ``actor``; it returns
 # (loss, {metric name: detached scalar}), as verl 0.9's do.

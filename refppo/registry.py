@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from refppo.checks import check_choice
+from refppo.guards.checks import check_choice
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Token-level rewards (ch 5, 6): where the sequence score goes, reward clipping, the KL
 penalty in the reward and a penalty for responses that never emitted EOS (DAPO's soft overlong
-punishment: :mod:`refppo.overlong`).
+punishment: :mod:`refppo.algorithms.overlong`).
 
 Shapes: scores (batch,), per-token tensors (batch, T), response-only.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from refppo.checks import (
+from refppo.functional import last_valid_index, masked_mean
+from refppo.guards.checks import (
     check_ndim,
     check_number,
     check_same_shape,
@@ -17,8 +18,7 @@ from refppo.checks import (
     check_values,
     checks_once,
 )
-from refppo.functional import last_valid_index, masked_mean
-from refppo.inputs import check_score_inputs
+from refppo.guards.inputs import check_score_inputs
 from refppo.kl import kl_penalty as kl_penalty_fn
 
 

@@ -6,8 +6,8 @@ import contextlib
 import torch
 from hypothesis import strategies as st
 
-from refppo.generation import generate
-from refppo.prompts import build_batch, tokenize_prompts
+from refppo.rollout.generation import generate
+from refppo.rollout.prompts import build_batch, tokenize_prompts
 from refppo.tasks.tokenizer import build_tokenizer
 
 PROMPTS = ["12+34=", "7*8=", "999+1=", "hello, world:"]

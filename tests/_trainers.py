@@ -5,11 +5,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from refppo.advantages import needs_critic
-from refppo.config import Config, apply_overrides
-from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
-from refppo.settings import validate
+from refppo.rollout.models import add_lora, load_causal_lm, load_value_model, tiny_config
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
 from refppo.tasks.tokenizer import build_tokenizer
-from refppo.trainer import PPOTrainer
+from refppo.training.trainer import PPOTrainer
 
 TOK = build_tokenizer()
 # The sampler's log-probs against the trainer's (ch 6.5), as verl's rollout_correction settings.

@@ -17,7 +17,7 @@ def tok():
 @pytest.fixture(scope="module")
 def models(tok):
     """A tiny actor, critic and reward model (seed 0)."""
-    from refppo.models import load_causal_lm, load_value_model, tiny_config
+    from refppo.rollout.models import load_causal_lm, load_value_model, tiny_config
 
     torch.manual_seed(0)
     config = tiny_config(tok)

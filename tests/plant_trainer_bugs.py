@@ -1,4 +1,4 @@
-"""Do the tests bite? Plant one-line bugs in refppo/trainer.py (and the registry adapters it calls,
+"""Do the tests bite? Plant one-line bugs in refppo/training/trainer.py (and the registry adapters it calls,
 the plain formulas it runs, and the accelerated paths that stand in for them), one at a time, and
 count how many the tests catch.
 
@@ -63,9 +63,9 @@ BUGS = [
         'read = ("old_log_probs", "ref_log_prob",',
         'read = ("unchecked", "ref_log_prob",',
     ),
-    ("update.py", "micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
+    ("training/update.py", "micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
     (
-        "update.py",
+        "training/update.py",
         "loss normalised over this process's rows (a per-rank mean)",
         "for mb in micro_batches(mini):\n                    loss, micro_stats = micro_loss(mb)\n"
         '                    weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)',
@@ -74,7 +74,7 @@ BUGS = [
         'torch.cat([m["response_mask"] for m in mbs]), agg_mode)',
     ),
     (
-        "distributed.py",
+        "distributed/__init__.py",
         "statistics averaged over processes, not summed",
         "for k in names]), world)",
         "for k in names]), world) / world.size",
@@ -85,12 +85,17 @@ BUGS = [
         "first_row=first_row)",
     ),
     (
-        "distributed.py",
+        "distributed/__init__.py",
         "generation gathers the weights at every pass (a collective per decoding step)",
         "module.set_reshard_after_forward(False, recurse=False)\n            module.unshard()",
         "module.unshard()",
     ),
-    ("update.py", "logged losses weighted by token share", "(weight if k in LOSS_STATS else share) * v", "share * v"),
+    (
+        "training/update.py",
+        "logged losses weighted by token share",
+        "(weight if k in LOSS_STATS else share) * v",
+        "share * v",
+    ),
     (
         "temperature ignored in the update",
         "log_probs(self.actor, mb, temp, bonus",
@@ -128,13 +133,13 @@ BUGS = [
         '(getattr(c.actor, k) if actor or k == "ppo_epochs" else critic_setting(c, k) for k in settings)',
     ),
     (
-        "conditions.py",
+        "settings/conditions.py",
         "the critic's loss mode not the actor's when unset",
         "return getattr(config.actor, name) if value is None else value",
         'return ("token-mean" if name == "loss_agg_mode" else getattr(config.actor, name)) if value is None else value',
     ),
     (
-        "metrics.py",
+        "training/metrics.py",
         "explained variance over the values",
         "(masked_var(returns, response_mask) + 1e-5)",
         "(masked_var(values, response_mask) + 1e-5)",
@@ -172,22 +177,22 @@ BUGS += [  # the plain formulas
         "torch.log_softmax(logits.float(), dim=-1)",
     ),
     (
-        "generation.py",
+        "rollout/generation.py",
         "a finished row's log-prob recorded",
         "log_probs.append(logp.masked_fill(done, 0.0))",
         "log_probs.append(logp)",
     ),
-    ("forward.py", "values one position late", "logits[:, -width - 1 : -1, 0]", "logits[:, -width:, 0]"),
+    ("rollout/forward.py", "values one position late", "logits[:, -width - 1 : -1, 0]", "logits[:, -width:, 0]"),
 ]
 BUGS += [  # the input contracts and DAPO's shaping
     (
-        "inputs.py",
+        "guards/inputs.py",
         "negative importance weights let through",
         "nonnegative=weights,  # a negative weight",
         "nonnegative={},  # a negative weight",
     ),
     (
-        "overlong.py",
+        "algorithms/overlong.py",
         "overlong penalty not spread over the buffer",
         "-exceed / buffer_len * penalty_factor",
         "-exceed * penalty_factor",
@@ -202,37 +207,37 @@ BUGS += [  # the estimators and losses from verl 0.9's registry
         "running = g",
     ),
     (
-        "verl_advantages.py",
+        "algorithms/verl_advantages.py",
         "REINFORCE++-baseline: no baseline",
         "centred = scores - _group_mean(n, total)",
         "centred = scores",
     ),
     (
-        "verl_advantages.py",
+        "algorithms/verl_advantages.py",
         "GPG: alpha left out",
         "alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)",
         "alpha = 1.0",
     ),
     (
-        "verl_losses.py",
+        "algorithms/verl_losses.py",
         "GSPO: the sequence's summed log-ratio, not its mean",
         "seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths",
         "seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1)",
     ),
     (
-        "verl_losses.py",
+        "algorithms/verl_losses.py",
         "GSPO: the gradient through the sequence ratio",
         "log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)",
         "log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)",
     ),
     (
-        "verl_losses.py",
+        "algorithms/verl_losses.py",
         "CISPO: the gradient through the weight",
         "-clipped.detach() * advantages * log_prob",
         "-clipped * advantages * log_prob",
     ),
     (
-        "verl_losses.py",
+        "algorithms/verl_losses.py",
         "GPG loss: ascending the loss",
         "pg_losses = -log_prob * advantages",
         "pg_losses = log_prob * advantages",
@@ -240,14 +245,14 @@ BUGS += [  # the estimators and losses from verl 0.9's registry
 ]
 BUGS += [
     (
-        "verl_losses.py",
+        "algorithms/verl_losses.py",
         "SAPO: the temperatures swapped",
         "masked_fill(advantages > 0, tau_pos)",
         "masked_fill(advantages < 0, tau_pos)",
     ),
-    ("verl_losses.py", "SAPO: the gate not scaled by 4 / tau", "* (4.0 / tau)", "* 4.0"),
+    ("algorithms/verl_losses.py", "SAPO: the gate not scaled by 4 / tau", "* (4.0 / tau)", "* 4.0"),
     (
-        "verl_losses.py",
+        "algorithms/verl_losses.py",
         "GMPO: the optimistic side of the clip",
         "sign * torch.minimum(sign * log_ratio, sign * clamped)",
         "sign * torch.maximum(sign * log_ratio, sign * clamped)",
@@ -255,7 +260,7 @@ BUGS += [
 ]
 BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
     (
-        "forward.py",
+        "rollout/forward.py",
         "token-budget rows put back in the wrong order",
         "if idx is None else idx",
         "if idx is None else slice(start, start + len(idx))",
@@ -331,7 +336,7 @@ BUGS += [  # the other accelerated paths
         "(contextlib.nullcontext(), contextlib.nullcontext())",
     ),
 ]
-BUGS = [bug if len(bug) == 4 else ("trainer.py", *bug) for bug in BUGS]
+BUGS = [bug if len(bug) == 4 else ("training/trainer.py", *bug) for bug in BUGS]
 
 
 def main(tests: list[str]) -> None:

@@ -10,9 +10,9 @@ from refppo.accel import StaticDecoder, select
 from refppo.accel.gae import packed_gae_advantage_return
 from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs
 from refppo.accel.token_budget import TokenBudgetPasses
-from refppo.config import Config, apply_overrides
-from refppo.forward import ForwardPasses, response_log_probs
-from refppo.settings import validate
+from refppo.rollout.forward import ForwardPasses, response_log_probs
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

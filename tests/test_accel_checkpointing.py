@@ -5,8 +5,8 @@ import torch
 from _inputs import attention_calls, rollout
 
 from refppo.accel.checkpointing import enable_gradient_checkpointing
-from refppo.forward import response_log_probs, response_values
-from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
+from refppo.rollout.forward import response_log_probs, response_values
+from refppo.rollout.models import add_lora, load_causal_lm, load_value_model, tiny_config
 
 
 def test_checkpointed_recomputation_leaves_cudnn_attention_out(tok):

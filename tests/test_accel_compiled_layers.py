@@ -12,10 +12,10 @@ from _trainers import assert_same_steps, make_trainer
 
 from refppo.accel import StaticDecoder, compiled_models
 from refppo.accel.compiled_layers import CompiledForward, compile_layers, eager_layers
-from refppo.config import Config, apply_overrides
-from refppo.forward import response_log_probs, response_values
-from refppo.models import add_lora, load_causal_lm, load_value_model, make_reference, tiny_config
-from refppo.settings import validate
+from refppo.rollout.forward import response_log_probs, response_values
+from refppo.rollout.models import add_lora, load_causal_lm, load_value_model, make_reference, tiny_config
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
 
 
 def _graphs() -> int:

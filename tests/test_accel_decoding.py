@@ -13,9 +13,9 @@ from refppo.accel.decoding import (
     decode_attention,
     grouped_decode_attention,
 )
-from refppo.forward import compute_log_probs
-from refppo.generation import cache_argument
-from refppo.models import add_lora, load_causal_lm, tiny_config
+from refppo.rollout.forward import compute_log_probs
+from refppo.rollout.generation import cache_argument
+from refppo.rollout.models import add_lora, load_causal_lm, tiny_config
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

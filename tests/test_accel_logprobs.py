@@ -5,8 +5,8 @@ import torch
 from _inputs import attention_calls, rollout
 
 from refppo.accel.logprobs import BlockLogProbs, check_fused_kernels, chunked_logprobs, fused_logprobs
-from refppo.forward import response_log_probs
-from refppo.models import load_causal_lm, tiny_config
+from refppo.rollout.forward import response_log_probs
+from refppo.rollout.models import load_causal_lm, tiny_config
 
 
 def ref_log_softmax(row, temperature):
@@ -190,7 +190,7 @@ def test_fused_logprobs_under_autocast_use_its_dtype():
 def test_fused_logprobs_hold_no_whole_logits():
     """Peak memory of forward + backward: the fused version never holds (rows, vocab) logits,
     the LM head followed by the chunked log-softmax does (and their gradient)."""
-    from refppo.memory import PeakMeter
+    from refppo.guards.memory import PeakMeter
 
     gen = torch.Generator().manual_seed(5)
     rows, width, vocab = 2048, 16, 4096
@@ -325,7 +325,7 @@ def test_fused_log_probs_equal_the_logits_path(tok, models):
     """model.use_fused_kernels: log-probs, entropies and every trainable parameter's gradient from
     the hidden states equal those from the logits, for each supported model type (a tied head
     included), a LoRA actor and its adapter-disabled reference."""
-    from refppo.models import LoraDisabledReference, add_lora, make_reference
+    from refppo.rollout.models import LoraDisabledReference, add_lora, make_reference
 
     batch = rollout(tok, models[0], temperature=0.9)
     lora = add_lora(_arch_models(tok)[0], r=4)
@@ -356,9 +356,9 @@ def test_fused_kernels_refuse_models_whose_logits_are_not_the_head(tok):
     and the trainer refuses it before any work."""
     from transformers import CohereConfig, Gemma2Config
 
-    from refppo.config import Config, apply_overrides
-    from refppo.settings import validate
-    from refppo.trainer import PPOTrainer
+    from refppo.settings.config import Config, apply_overrides
+    from refppo.settings.validate import validate
+    from refppo.training.trainer import PPOTrainer
 
     size = dict(
         hidden_size=32,

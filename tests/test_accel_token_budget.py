@@ -3,7 +3,7 @@ import torch
 from _inputs import ragged_batch
 
 from refppo.accel.token_budget import TokenBudgetPasses, token_budget_micro_batches
-from refppo.forward import compute_log_probs, compute_values
+from refppo.rollout.forward import compute_log_probs, compute_values
 
 
 @pytest.mark.parametrize("budget", [30, 47, 64, 200, 10_000])

@@ -1,4 +1,4 @@
-"""The refppo command and run folders (refppo.cli, refppo.runs)."""
+"""The refppo command and run folders (refppo.runs.cli, refppo.runs.folder)."""
 
 import json
 import os
@@ -9,9 +9,9 @@ import pytest
 import torch
 from _inputs import CHAT_TEMPLATES
 
-from refppo.cli import main
-from refppo.config import Config
-from refppo.runs import RunFolder
+from refppo.runs.cli import main
+from refppo.runs.folder import RunFolder
+from refppo.settings.config import Config
 
 TINY = [
     "model.hidden_size=32",
@@ -97,7 +97,7 @@ def test_ppo_run_resume_and_refusal(sft_run, tmp_path, capsys):
 
 
 def test_a_lora_run_saves_a_merged_actor_the_next_stage_loads(sft_run, tmp_path):
-    from refppo.models import load_causal_lm
+    from refppo.rollout.models import load_causal_lm
 
     out = tmp_path / "ppo_lora"
     args = [
@@ -422,8 +422,8 @@ def test_options_a_command_would_ignore_are_refused(sft_run, tmp_path, command, 
 
 @pytest.mark.parametrize("command", ["sft", "rm", "ppo"])
 def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_back(command, capsys):
-    from refppo.cli import read_settings
-    from refppo.config import apply_overrides
+    from refppo.runs.cli import read_settings
+    from refppo.settings.config import apply_overrides
 
     assert main([command, "--help"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
@@ -448,7 +448,7 @@ def test_help_lists_every_setting_a_command_reads_as_an_override_that_parses_bac
 def test_sft_refuses_fused_kernels_for_an_unsupported_model_before_any_write(sft_run, tmp_path):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from refppo.cli import load_tokenizer
+    from refppo.runs.cli import load_tokenizer
 
     tok = load_tokenizer(f"{sft_run}/model")
     gemma = tmp_path / "gemma"
@@ -547,7 +547,7 @@ def test_sizes_beyond_the_data_or_the_memory_are_refused_before_any_write(sft_ru
 
 
 def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path, monkeypatch, capsys):
-    from refppo.cli import entry
+    from refppo.runs.cli import entry
 
     out = tmp_path / "run"
     argv = ["refppo", "ppo", "actor.optim.lr=1e-4", f"trainer.output_dir={out}", "actor.optim.lr=2e-4"]
@@ -593,7 +593,7 @@ def fails_once_running(prompts, responses, records):
 def test_the_command_states_refused_input_in_one_line_and_keeps_other_tracebacks(
     sft_run, tmp_path, monkeypatch, capsys
 ):
-    from refppo.cli import entry
+    from refppo.runs.cli import entry
 
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1="}\n' * 8)
@@ -656,7 +656,10 @@ def test_a_reward_module_in_the_working_directory_is_found(tmp_path):
     (tmp_path / "my_reward.py").write_text(
         "def score(prompts, responses, records):\n    return [1.0] * len(responses)\n"
     )
-    code = "from refppo.reward_fns import load_reward_fn; print(load_reward_fn('my_reward:score')([], ['a', 'b'], []))"
+    code = (
+        "from refppo.training.reward_fns import load_reward_fn; "
+        "print(load_reward_fn('my_reward:score')([], ['a', 'b'], []))"
+    )
     result = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[1.0, 1.0]"
@@ -673,7 +676,7 @@ def test_a_reward_module_in_the_working_directory_is_found(tmp_path):
 def test_a_missing_optional_package_is_named_before_the_run_folder_exists(
     sft_run, tmp_path, monkeypatch, capsys, logger, module, package
 ):
-    from refppo.cli import entry
+    from refppo.runs.cli import entry
 
     monkeypatch.setitem(sys.modules, module, None)  # as if the package were not installed
     out = tmp_path / "run"
@@ -702,7 +705,7 @@ def test_help_and_refusals_do_not_import_transformers():
     """transformers takes seconds to import: the command imports it only to load a model, so
     `--help` and the settings' refusals answer without it."""
     code = (
-        "import sys\nfrom refppo.cli import main\n"
+        "import sys\nfrom refppo.runs.cli import main\n"
         "try:\n    main(['ppo', 'actor.optim.lr=-1'])\nexcept ValueError as e:\n    assert 'optim.lr' in str(e)\n"
         "assert main(['ppo', '--help']) == 0\n"
         "print('transformers' in sys.modules)"

@@ -5,8 +5,8 @@ import typing
 
 import pytest
 
-from refppo.checks import in_range
-from refppo.config import (
+from refppo.guards.checks import in_range
+from refppo.settings.config import (
     Config,
     apply_overrides,
     config_from_dict,
@@ -17,7 +17,7 @@ from refppo.config import (
     leaf_keys,
     owner_of,
 )
-from refppo.settings import validate
+from refppo.settings.validate import validate
 
 
 def test_overrides_are_typed():
@@ -295,7 +295,7 @@ def test_round_trip_through_a_dict():
 
 
 def test_importing_the_config_loads_no_model_library():
-    code = "import sys, refppo.config; sys.exit('transformers' in sys.modules)"
+    code = "import sys, refppo.settings.config; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -1,5 +1,5 @@
-"""DAPO in refppo: dynamic sampling (refppo.dynamic_sampling, verl's algorithm.filter_groups) and
-the soft overlong punishment (refppo.overlong.overlong_penalty, verl's DAPO reward manager)."""
+"""DAPO in refppo: dynamic sampling (refppo.training.dynamic_sampling, verl's algorithm.filter_groups) and
+the soft overlong punishment (refppo.algorithms.overlong.overlong_penalty, verl's DAPO reward manager)."""
 
 import random
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from _trainers import RECORDS, make_trainer
 
-from refppo.config import Config, apply_overrides
+from refppo.algorithms.overlong import overlong_penalty
 from refppo.distributed import World, check_world
-from refppo.dynamic_sampling import join_batches, varied_groups
-from refppo.overlong import overlong_penalty
-from refppo.prompts import decode_texts, sequence_batch
-from refppo.settings import validate
-from refppo.verl_names import translate
+from refppo.rollout.prompts import decode_texts, sequence_batch
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
+from refppo.settings.verl_names import translate
+from refppo.training.dynamic_sampling import join_batches, varied_groups
 
 GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=4"]
 DAPO = [*GRPO, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
@@ -226,7 +226,7 @@ def test_print_verl_gives_dapos_keys_as_verl_reads_them():
     """``--print-verl`` spells the reward manager's keyword arguments with Hydra's "+" (verl's
     config file lacks them) and gives max_resp_len, which verl's DAPO manager needs; the line reads
     back into the same settings."""
-    from refppo.verl_map import verl_command
+    from refppo.settings.verl_map import verl_command
 
     dapo = [*DAPO, "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"]
     config = validate(

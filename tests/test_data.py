@@ -3,7 +3,7 @@ import json
 import pytest
 from _inputs import chat_tokenizer, templateless_tokenizer
 
-from refppo.data import EpochSampler, load_records
+from refppo.training.data import EpochSampler, load_records
 
 
 def test_epoch_sampler_epochs_and_state():

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refppo.config import Config, apply_overrides
 from refppo.distributed import SINGLE, World, check_world
-from refppo.settings import validate
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
 
 # Two processes sum their gradients and statistics in another order than one process does
 # (tests/_tolerances.py, rule 1), and a run takes several Adam steps, which can turn that rounding,
@@ -300,8 +300,8 @@ def test_a_refused_launch_says_so_once_and_writes_nothing(workdir):
 
 def test_each_of_two_processes_holds_half_the_state(tmp_path):
     """benchmarks/fsdp_memory.py on a small model: the weights, gradients and Adam moments held by
-    each of 2 processes (refppo.memory.held_bytes of the shards) are half one process's, as
-    refppo.memory.state_bytes(processes=2) predicts."""
+    each of 2 processes (refppo.guards.memory.held_bytes of the shards) are half one process's, as
+    refppo.guards.memory.state_bytes(processes=2) predicts."""
     out = tmp_path / "memory.json"
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "fsdp_memory.py"
     small = ["--hidden", "64", "--layers", "2", "--vocab", "512", "--tokens", "16", "--out", str(out)]

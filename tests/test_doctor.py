@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from refppo.cli import main
-from refppo.config import Config, apply_overrides, config_to_dict
-from refppo.doctor import SIGNATURES, diagnose, diagnose_run
+from refppo.runs.cli import main
+from refppo.runs.doctor import SIGNATURES, diagnose, diagnose_run
+from refppo.settings.config import Config, apply_overrides, config_to_dict
 
 STEPS = 48
 

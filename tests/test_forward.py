@@ -8,7 +8,7 @@ import torch
 from _inputs import attention_calls, rollout, row_tokens
 
 from refppo.accel.checkpointing import enable_gradient_checkpointing
-from refppo.forward import (
+from refppo.rollout.forward import (
     compute_log_probs,
     compute_scores,
     compute_values,
@@ -17,8 +17,8 @@ from refppo.forward import (
     response_scores,
     response_values,
 )
-from refppo.models import load_causal_lm, tiny_config
-from refppo.prompts import sequence_batch
+from refppo.rollout.models import load_causal_lm, tiny_config
+from refppo.rollout.prompts import sequence_batch
 
 
 @pytest.mark.parametrize(
@@ -42,9 +42,9 @@ def test_a_trainable_actor_and_its_frozen_reference_give_equal_log_probs():
     fresh process: MKL reads the setting when it loads; elsewhere the setting is ignored)."""
     code = """
 import torch
-from refppo.models import load_causal_lm, make_reference, tiny_config
-from refppo.forward import compute_log_probs
-from refppo.prompts import sequence_batch
+from refppo.rollout.models import load_causal_lm, make_reference, tiny_config
+from refppo.rollout.forward import compute_log_probs
+from refppo.rollout.prompts import sequence_batch
 from refppo.tasks.tokenizer import build_tokenizer
 tok = build_tokenizer()
 torch.manual_seed(0)

@@ -161,7 +161,7 @@ def test_bad_logits_inputs():
 
 
 def test_a_nan_is_a_non_finite_error_and_other_bad_values_a_plain_value_error():
-    from refppo.checks import NonFiniteError, check_values
+    from refppo.guards.checks import NonFiniteError, check_values
 
     mask, x = torch.ones(2, 3), torch.zeros(2, 3)
     with pytest.raises(NonFiniteError, match="x contains NaN or inf"):

@@ -7,10 +7,10 @@ import torch
 from _inputs import PROMPTS, rollout, row_tokens
 
 from refppo.accel.decoding import StaticDecoder
-from refppo.forward import compute_log_probs, compute_values
-from refppo.generation import cache_argument, generate, row_uniforms, sample_next_token
-from refppo.models import add_lora, load_causal_lm, load_value_model, tiny_config
-from refppo.prompts import left_pad, tokenize_prompts
+from refppo.rollout.forward import compute_log_probs, compute_values
+from refppo.rollout.generation import cache_argument, generate, row_uniforms, sample_next_token
+from refppo.rollout.models import add_lora, load_causal_lm, load_value_model, tiny_config
+from refppo.rollout.prompts import left_pad, tokenize_prompts
 
 
 class ScriptedLM(torch.nn.Module):

@@ -5,8 +5,8 @@ names it, before any write, or gets past every check: never another exception on
 import pytest
 from test_cli import TINY
 
-from refppo.cli import main
-from refppo.config import Config, declarations
+from refppo.runs.cli import main
+from refppo.settings.config import Config, declarations
 
 HOSTILE = ("1e300", "1e39", "1e-300", str(10**23))
 

@@ -1,12 +1,12 @@
-"""Settings that another setting turns off (refppo.settings.ignored_settings) are really unread:
+"""Settings that another setting turns off (refppo.settings.validate.ignored_settings) are really unread:
 changing one, past validate, leaves a trainer's steps exactly as they were."""
 
 import pytest
 import torch
 from _trainers import make_trainer
 
-from refppo.config import Config, declarations, owner_of
-from refppo.settings import choices_of, ignored_settings
+from refppo.settings.config import Config, declarations, owner_of
+from refppo.settings.validate import choices_of, ignored_settings
 
 # The trainer is given its models and data: these are read by refppo's commands, not by it.
 NOT_THE_TRAINERS = ("data.", "model.", "reward_model.model.")

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from refppo.cli import main
-from refppo.config import Config, apply_overrides, config_to_dict, flatten
-from refppo.loggers import mlflow_key
-from refppo.runs import RunFolder
+from refppo.runs.cli import main
+from refppo.runs.folder import RunFolder
+from refppo.runs.loggers import mlflow_key
+from refppo.settings.config import Config, apply_overrides, config_to_dict, flatten
 
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2"]
 ALL = "trainer.logger=[console,file,tensorboard,wandb,mlflow]"

@@ -1,4 +1,4 @@
-"""refppo.memory: the bytes-per-parameter and bytes-per-token arithmetic against measured tensors."""
+"""refppo.guards.memory: the bytes-per-parameter and bytes-per-token arithmetic against measured tensors."""
 
 import pytest
 import torch
@@ -8,8 +8,7 @@ from refppo.accel.checkpointing import (
     checkpointed_values_per_token,
     enable_gradient_checkpointing,
 )
-from refppo.forward import response_log_probs
-from refppo.memory import (
+from refppo.guards.memory import (
     SYNTHETIC_RECORD_BYTES,
     PeakMeter,
     activation_bytes,
@@ -20,8 +19,9 @@ from refppo.memory import (
     rollout_bytes,
     state_bytes,
 )
-from refppo.models import load_causal_lm, load_value_model, tiny_config
-from refppo.prompts import build_batch, tokenize_prompts
+from refppo.rollout.forward import response_log_probs
+from refppo.rollout.models import load_causal_lm, load_value_model, tiny_config
+from refppo.rollout.prompts import build_batch, tokenize_prompts
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
 
@@ -215,7 +215,7 @@ def test_a_rollout_needs_at_least_its_estimate_and_not_much_more(arch):
     """rollout_bytes is a lower bound of generate's peak (the refusal of an impossible size never
     refuses a possible one), and within 4x of it: transformers' dynamic cache grows by
     concatenation, so its last step holds the old and the new cache at once (3x measured)."""
-    from refppo.generation import generate
+    from refppo.rollout.generation import generate
 
     config = tiny_config(TOK, arch=arch, hidden_size=64, num_hidden_layers=2)
     model = load_causal_lm(config, TOK)

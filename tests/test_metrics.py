@@ -5,7 +5,7 @@ import torch
 from _inputs import batches, make_mask
 from hypothesis import given
 
-from refppo.metrics import masked_corr, masked_max_min, offpolicy_metrics, rollout_is_metrics
+from refppo.training.metrics import masked_corr, masked_max_min, offpolicy_metrics, rollout_is_metrics
 
 
 @given(batches())

@@ -1,4 +1,4 @@
-"""Model folders checked before loading (refppo.model_folder, through refppo.cli)."""
+"""Model folders checked before loading (refppo.guards.model_folder, through refppo.runs.cli)."""
 
 import json
 import re
@@ -10,9 +10,9 @@ import torch
 from test_cli import QUICK_PPO, TINY
 from transformers import AutoTokenizer
 
-from refppo.cli import entry, main
-from refppo.model_folder import check_lora_rank, check_model_folder
-from refppo.models import load_causal_lm, load_value_model
+from refppo.guards.model_folder import check_lora_rank, check_model_folder
+from refppo.rollout.models import load_causal_lm, load_value_model
+from refppo.runs.cli import entry, main
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_a_run_or_checkpoint_folder_names_the_model_or_the_resume(sft_run, tmp_p
 
 
 def test_an_unreadable_file_is_named(sft_run, tmp_path, monkeypatch):
-    import refppo.model_folder as mf
+    import refppo.guards.model_folder as mf
 
     folder = _copy(sft_run, tmp_path)
     monkeypatch.setattr(mf.os, "access", lambda p, mode: not str(p).endswith("model.safetensors"))

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from refppo.models import (
+from refppo.rollout.models import (
     LoraDisabledReference,
     add_lora,
     init_value_head,

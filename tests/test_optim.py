@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from refppo.config import Config, apply_overrides
-from refppo.optim import make_optimizer
-from refppo.settings import validate
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
+from refppo.training.optim import make_optimizer
 
 
 def verl_lr_factors(total, warmup=-1, ratio=0.0, cosine=False, min_lr_ratio=0.0):

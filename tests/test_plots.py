@@ -6,9 +6,9 @@ import random
 import matplotlib
 import pytest
 
-from refppo.cli import main
-from refppo.plots import group_curve, plot_runs, series
-from refppo.runs import load_metrics
+from refppo.runs.cli import main
+from refppo.runs.folder import load_metrics
+from refppo.runs.plots import group_curve, plot_runs, series
 
 matplotlib.use("Agg")
 

@@ -2,8 +2,7 @@ import pytest
 import torch
 from _inputs import CHAT_TEMPLATES, chat_tokenizer, templateless_tokenizer
 
-from refppo.config import Config, apply_overrides
-from refppo.prompts import (
+from refppo.rollout.prompts import (
     decode_texts,
     encode_prompts,
     left_pad,
@@ -12,6 +11,7 @@ from refppo.prompts import (
     tokenize_prompts,
     tokenize_records,
 )
+from refppo.settings.config import Config, apply_overrides
 
 
 def test_prompt_length_limit(tok):

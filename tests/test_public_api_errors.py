@@ -15,20 +15,10 @@ import math
 import pytest
 import torch
 
-from refppo import (
-    advantages,
-    divergence_losses,
-    functional,
-    inputs,
-    kl,
-    losses,
-    overlong,
-    rewards,
-    rollout_correction,
-    verl_advantages,
-    verl_losses,
-)
-from refppo.checks import NonFiniteError
+from refppo import advantages, functional, kl, losses, rewards
+from refppo.algorithms import divergence_losses, overlong, rollout_correction, verl_advantages, verl_losses
+from refppo.guards import inputs
+from refppo.guards.checks import NonFiniteError
 
 MODULES = (
     functional,

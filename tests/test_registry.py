@@ -11,15 +11,15 @@ from _trainers import RECORDS, TOK, first_char_is_seven, make_trainer
 from transformers import GPT2Config
 
 from refppo.advantages import needs_critic, register_adv_est
-from refppo.config import Config, apply_overrides
-from refppo.forward import response_log_probs
 from refppo.functional import masked_mean
 from refppo.kl import kl_penalty, kl_penalty_types, register_kl_estimator
 from refppo.losses import agg_loss, register_policy_loss
-from refppo.models import init_value_head, load_causal_lm, load_value_model, value_head
 from refppo.registry import Registry
-from refppo.settings import validate
-from refppo.trainer import PPOTrainer
+from refppo.rollout.forward import response_log_probs
+from refppo.rollout.models import init_value_head, load_causal_lm, load_value_model, value_head
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
+from refppo.training.trainer import PPOTrainer
 
 
 # ---- what a user's module would hold ------------------------------------------------------
@@ -66,7 +66,11 @@ def test_verls_other_names_are_registered_whichever_module_is_imported_first(mod
     estimators and losses (the package imports the modules that register them)."""
     code = f"from {module} import {getter}; print({getter}({name!r}).__module__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() in ("refppo.verl_advantages", "refppo.verl_losses", "refppo.divergence_losses")
+    assert result.stdout.strip() in (
+        "refppo.algorithms.verl_advantages",
+        "refppo.algorithms.verl_losses",
+        "refppo.algorithms.divergence_losses",
+    )
 
 
 def test_registry_rejects_duplicates_and_hidden_inputs_and_names_what_is_missing():

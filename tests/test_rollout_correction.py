@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from refppo.rollout_correction import compute_rollout_is_weights
+from refppo.algorithms.rollout_correction import compute_rollout_is_weights
 
 
 @pytest.mark.parametrize("threshold", [2.0, 0.5, math.inf])
@@ -154,7 +154,7 @@ def _plain_rs_summary(token_stats, row_values, mask, sequence, lower, upper):
     ],
 )
 def test_rollout_rejection_equals_verls(rollout_rs, threshold):
-    from refppo.rollout_correction import compute_rollout_rs_mask, rs_thresholds
+    from refppo.algorithms.rollout_correction import compute_rollout_rs_mask, rs_thresholds
 
     gen = torch.Generator().manual_seed(len(rollout_rs))
     old = torch.randn(6, 7, generator=gen, dtype=torch.float64) - 2
@@ -206,7 +206,7 @@ def test_rollout_rejection_equals_verls(rollout_rs, threshold):
     ],
 )
 def test_rollout_rejection_thresholds_are_read_as_verl_reads_them(rollout_rs, threshold, message):
-    from refppo.rollout_correction import rs_thresholds
+    from refppo.algorithms.rollout_correction import rs_thresholds
 
     with pytest.raises(ValueError, match=message):
         rs_thresholds(rollout_rs, threshold)
@@ -240,7 +240,7 @@ def test_rejected_tokens_leave_the_advantages_and_the_update_only():
 
     expected, _ = compute_gae_advantage_return(batch["token_level_rewards"], batch["values"], kept, 1.0, 1.0)
     torch.testing.assert_close(batch["advantages"], expected)  # GAE and its whitening over the kept tokens
-    from refppo.metrics import data_metrics
+    from refppo.training.metrics import data_metrics
 
     logged = data_metrics(batch, rejecting.config, True)
     assert float(logged["response_length/mean"]) == pytest.approx(float(sampled.sum(-1).float().mean()))
@@ -251,7 +251,7 @@ def test_rejected_tokens_leave_the_advantages_and_the_update_only():
 def test_icepop_keeps_the_weights_inside_its_bounds_and_zeroes_the_rest(level, normalize):
     """verl's IcePop ("lower_upper"): the untruncated weight where lower <= w <= upper, else 0,
     then the same batch normalisation as TIS."""
-    from refppo.rollout_correction import is_bounds
+    from refppo.algorithms.rollout_correction import is_bounds
 
     gen = torch.Generator().manual_seed(5)
     old = torch.randn(5, 6, generator=gen, dtype=torch.float64) * 0.3
@@ -277,14 +277,14 @@ def test_icepop_keeps_the_weights_inside_its_bounds_and_zeroes_the_rest(level, n
     [(2.0, (None, 2.0)), ("2.0", (None, 2.0)), ("0.5_2", (0.5, 2.0)), (math.inf, (None, math.inf))],
 )
 def test_is_bounds_read_as_verl_reads_them(threshold, bounds):
-    from refppo.rollout_correction import is_bounds
+    from refppo.algorithms.rollout_correction import is_bounds
 
     assert is_bounds(threshold) == bounds
 
 
 @pytest.mark.parametrize("threshold", [0.0, -1.0, math.nan, "a", "2_0.5", "0_1", "0.5_inf", True, None])
 def test_is_bounds_refuse_what_verl_refuses(threshold):
-    from refppo.rollout_correction import is_bounds
+    from refppo.algorithms.rollout_correction import is_bounds
 
     with pytest.raises(ValueError, match="threshold"):
         is_bounds(threshold)
@@ -292,8 +292,8 @@ def test_is_bounds_refuse_what_verl_refuses(threshold):
 
 def test_an_icepop_text_is_never_read_as_a_number():
     """Python reads "0.5_2" as 0.52: the setting keeps the text, which verl reads as IcePop's bounds."""
-    from refppo.config import Config, apply_overrides
-    from refppo.settings import validate
+    from refppo.settings.config import Config, apply_overrides
+    from refppo.settings.validate import validate
 
     on = ["algorithm.rollout_correction.rollout_is=token"]
     config = validate(apply_overrides(Config(), [*on, "algorithm.rollout_correction.rollout_is_threshold=0.5_2"]))

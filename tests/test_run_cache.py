@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from test_cli import TINY
 
-from refppo import run_cache
+from refppo.runs import run_cache
 
 
 def test_cached_run_trains_once_per_setting(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Run folders never lose work (refppo.runs): resume from the newest checkpoint that loads,
+"""Run folders never lose work (refppo.runs.folder): resume from the newest checkpoint that loads,
 torn logs, changed settings, a full disk, and SIGKILLs during training."""
 
 import errno
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from refppo.cli import main
-from refppo.config import Config, apply_overrides
-from refppo.runs import MODELS, STATE_FILE, RunFolder, check_resume, load_models, save_models
+from refppo.runs.cli import main
+from refppo.runs.folder import RunFolder, check_resume
+from refppo.settings.config import Config, apply_overrides
+from refppo.training.checkpoint import MODELS, STATE_FILE, load_models, save_models
 
 
 def _write_checkpoint(folder, step):
@@ -225,7 +226,7 @@ def test_a_resume_without_a_checkpoint_is_refused_and_erases_nothing(tmp_path):
 
 
 def test_a_run_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
-    import refppo.runs
+    import refppo.runs.folder
 
     run = _saved_run(tmp_path / "r")
     (tmp_path / "r" / "latest").unlink()
@@ -237,7 +238,7 @@ def test_a_run_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path
     locked = tmp_path / "locked"
     locked.mkdir()
     real = os.access
-    monkeypatch.setattr(refppo.runs.os, "access", lambda p, mode: Path(p) != locked and real(p, mode))
+    monkeypatch.setattr(refppo.runs.folder.os, "access", lambda p, mode: Path(p) != locked and real(p, mode))
     with pytest.raises(PermissionError, match=f"cannot write in {locked}"):
         main(["sft", f"trainer.output_dir={locked / 'new' / 'run'}"])
     assert list(locked.iterdir()) == []
@@ -277,7 +278,7 @@ def save(obj, f, *args, **kwargs):  # at step {step}: half a checkpoint file, th
         os.truncate(f, os.path.getsize(f) // 2)
         os.kill(os.getpid(), signal.SIGKILL)
 torch.save = save
-from refppo.cli import main
+from refppo.runs.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -340,7 +341,7 @@ def test_sigkills_during_training_then_resume_give_the_uninterrupted_metrics(tmp
 
 
 def test_the_summary_reports_the_gold_score_beside_the_trained_one(tmp_path):
-    from refppo.runs import summary
+    from refppo.runs.folder import summary
 
     run = RunFolder(tmp_path / "r", Config())
     for step, (score, gold) in enumerate([(0.1, 0.2), (0.5, 0.4), (0.9, 0.3)]):

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from refppo.cli import settings_help
-from refppo.config import ActorConfig, Config, apply_overrides
-from refppo.declare import setting
-from refppo.overrides import check_overrides_are_read
-from refppo.settings import ignored_settings, read_settings, resumable_settings, validate
+from refppo.runs.cli import settings_help
+from refppo.settings.config import ActorConfig, Config, apply_overrides
+from refppo.settings.declare import setting
+from refppo.settings.overrides import check_overrides_are_read
+from refppo.settings.validate import ignored_settings, read_settings, resumable_settings, validate
 
 
 @dataclass

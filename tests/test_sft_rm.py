@@ -1,16 +1,16 @@
-"""SFT and reward-model training (refppo.sft, refppo.reward_model)."""
+"""SFT and reward-model training (refppo.training.sft, refppo.training.reward_model)."""
 
 import math
 
 import torch
 
-from refppo.forward import compute_scores
-from refppo.models import load_causal_lm, load_value_model, tiny_config
-from refppo.prompts import build_batch
-from refppo.reward_model import bradley_terry_loss, center_reward_model, train_reward_model
-from refppo.sft import sft_loss, train_sft
+from refppo.rollout.forward import compute_scores
+from refppo.rollout.models import load_causal_lm, load_value_model, tiny_config
+from refppo.rollout.prompts import build_batch
 from refppo.tasks import preference
 from refppo.tasks.tokenizer import build_tokenizer
+from refppo.training.reward_model import bradley_terry_loss, center_reward_model, train_reward_model
+from refppo.training.sft import sft_loss, train_sft
 
 TOK = build_tokenizer()
 

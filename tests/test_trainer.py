@@ -6,12 +6,12 @@ import torch
 from _tolerances import reordered
 from _trainers import make_trainer
 
-from refppo.fit import fit
-from refppo.forward import ForwardPasses
-from refppo.metrics import bar_fields
-from refppo.reward_fns import check_scores
-from refppo.runs import RunFolder, check_resume
-from refppo.update import MAX_SKIPPED_UPDATES, count_skips
+from refppo.rollout.forward import ForwardPasses
+from refppo.runs.folder import RunFolder, check_resume
+from refppo.training.fit import fit
+from refppo.training.metrics import bar_fields
+from refppo.training.reward_fns import check_scores
+from refppo.training.update import MAX_SKIPPED_UPDATES, count_skips
 
 
 def _run(trainer, steps):

@@ -15,10 +15,10 @@ import torch
 from _tolerances import reordered
 from _trainers import MODES, TOK, first_char_is_seven, make_trainer
 
-import refppo.trainer
-from refppo.forward import compute_log_probs, compute_values
-from refppo.metrics import data_metrics, gather
-from refppo.prompts import decode_texts
+import refppo.training.trainer
+from refppo.rollout.forward import compute_log_probs, compute_values
+from refppo.rollout.prompts import decode_texts
+from refppo.training.metrics import data_metrics, gather
 
 # The trainer's passes against plain recomputations of the same numbers: the same float32 sums in
 # other orders (micro-batches, blocks), over a 32-wide hidden state and a 50-token vocabulary, of
@@ -400,7 +400,7 @@ def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, mo
     """actor.use_torch_compile: the reference and old-log-prob passes and the actor's update reduce
     their logits (or, fused, their hidden states' blocks) with the compiled kernels, and the
     update's gradient goes through them too; without it no pass does."""
-    timer, seen = refppo.trainer.timer, set()
+    timer, seen = refppo.training.trainer.timer, set()
 
     @contextlib.contextmanager
     def in_phase(timing, name, device):  # the compiled calls each phase made
@@ -409,7 +409,7 @@ def test_use_torch_compile_reaches_every_log_prob_pass(compiled_kernel_calls, mo
             yield
         seen.update((name, call) for call in compiled_kernel_calls[before:])
 
-    monkeypatch.setattr(refppo.trainer, "timer", in_phase)
+    monkeypatch.setattr(refppo.training.trainer, "timer", in_phase)
     for compiled in (False, True):
         trainer = make_trainer(
             [

@@ -1,4 +1,4 @@
-"""refppo sft and refppo rm on a user's files (refppo.user_data): every layout TRL, verl and
+"""refppo sft and refppo rm on a user's files (refppo.training.user_data): every layout TRL, verl and
 OpenRLHF read trains, each problem is refused by file, line and key before any write, and the
 README's "your own data" story runs as written."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from refppo.cli import main
-from refppo.config import Config, apply_overrides
+from refppo.runs.cli import main
+from refppo.settings.config import Config, apply_overrides
 from refppo.tasks.tokenizer import build_tokenizer
-from refppo.user_data import held_out, read_comparisons, read_demonstrations
+from refppo.training.user_data import held_out, read_comparisons, read_demonstrations
 
 ROOT = Path(__file__).parents[1]
 TINY = [
@@ -110,8 +110,8 @@ def test_sft_held_out_loss_and_accuracy(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from refppo.generation import generate
-    from refppo.prompts import build_batch, decode_texts, tokenize_prompts
+    from refppo.rollout.generation import generate
+    from refppo.rollout.prompts import build_batch, decode_texts, tokenize_prompts
 
     tok = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(out / "model")
@@ -206,7 +206,7 @@ def test_held_out_is_seeded_and_keeps_a_chat_whole(tmp_path):
     assert held_out(items[:2], 0.9, seed=0)[0], "one is always left to train on"
     path = write(tmp_path / "sft.jsonl", SFT_LAYOUTS["multi-turn chat"][1])
     config = apply_overrides(Config(), ["data.task=file", f"data.train_files={path}", *LENGTHS]).data
-    from refppo.user_data import demonstrations
+    from refppo.training.user_data import demonstrations
 
     train, held = demonstrations(config, build_tokenizer(), seed=0)
     assert len(held) == 4 and len(train) == 36, "both turns of each held-out chat are held out"

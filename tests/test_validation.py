@@ -1,4 +1,4 @@
-"""Validation's metrics (refppo.validation) against plain references written from verl 0.9's
+"""Validation's metrics (refppo.training.validation) against plain references written from verl 0.9's
 ``process_validation_metrics``, ``_val_metrics_update`` and ``_maybe_log_val_generations``."""
 
 import itertools
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from test_cli import QUICK_PPO, TINY
 
-from refppo.cli import main
-from refppo.config import Config, apply_overrides
-from refppo.runs import Resume, RunFolder
-from refppo.settings import validate
-from refppo.validation import chosen_generations, pass_at_k, subset_sizes, validation_metrics
+from refppo.runs.cli import main
+from refppo.runs.folder import Resume, RunFolder
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
+from refppo.training.validation import chosen_generations, pass_at_k, subset_sizes, validation_metrics
 
 
 def verl_sizes(n):

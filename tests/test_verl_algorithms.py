@@ -16,17 +16,19 @@ from refppo.advantages import (
     compute_reinforce_plus_plus_outcome_advantage,
     needs_critic,
 )
-from refppo.divergence_losses import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv, compute_policy_loss_dro
-from refppo.losses import POLICY_LOSSES, compute_policy_loss
-from refppo.rewards import place_score_on_last_token
-from refppo.verl_advantages import (
+from refppo.algorithms.divergence_losses import (
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+)
+from refppo.algorithms.verl_advantages import (
     compute_gpg_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
     compute_opo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_remax_outcome_advantage,
 )
-from refppo.verl_losses import (
+from refppo.algorithms.verl_losses import (
     compute_policy_loss_cispo,
     compute_policy_loss_clip_cov,
     compute_policy_loss_geo_mean,
@@ -35,6 +37,8 @@ from refppo.verl_losses import (
     compute_policy_loss_kl_cov,
     compute_policy_loss_sapo,
 )
+from refppo.losses import POLICY_LOSSES, compute_policy_loss
+from refppo.rewards import place_score_on_last_token
 
 B, T = 6, 7
 
@@ -531,7 +535,7 @@ def test_clip_cov_cuts_a_random_share_of_the_candidates_and_without_any_is_ppos_
 
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
-    from refppo.cli import main
+    from refppo.runs.cli import main
 
     out = tmp_path_factory.mktemp("runs") / "sft"
     tiny = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2"]
@@ -587,7 +591,7 @@ def sft_model(tmp_path_factory):
 def test_each_runs_in_the_trainer(sft_model, tmp_path, settings):
     import json
 
-    from refppo.cli import main
+    from refppo.runs.cli import main
 
     quick = ["trainer.total_training_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]
     quick += ["data.val_size=8", "trainer.progress_bar=false", "data.max_response_length=4"]
@@ -624,7 +628,7 @@ def test_remax_baseline_is_the_score_of_each_prompts_greedy_response():
 
 
 def test_gspo_refuses_another_aggregation(sft_model, tmp_path):
-    from refppo.cli import main
+    from refppo.runs.cli import main
 
     with pytest.raises(ValueError, match="set actor.loss_agg_mode=seq-mean-token-mean"):
         main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={tmp_path}/r", "actor.policy_loss=gspo"])

@@ -1,4 +1,4 @@
-"""verl 0.9's spellings (refppo.verl_names) and the map beside verl's settings (refppo.verl_map),
+"""verl 0.9's spellings (refppo.settings.verl_names) and the map beside verl's settings (refppo.settings.verl_map),
 checked against verl 0.9.0's own generated trainer config (tests/data), and verl's quickstart
 command lines run as they are on a tiny model."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from _inputs import CHAT_TEMPLATES
 
-from refppo.cli import main
-from refppo.config import Config, apply_overrides, declarations, get_value
-from refppo.settings import format_value, validate
-from refppo.verl_map import OTHER_DEFAULTS, REFPPO_ONLY, key_map, verl_command
-from refppo.verl_names import (
+from refppo.runs.cli import main
+from refppo.settings.config import Config, apply_overrides, declarations, get_value
+from refppo.settings.validate import format_value, validate
+from refppo.settings.verl_map import OTHER_DEFAULTS, REFPPO_ONLY, key_map, verl_command
+from refppo.settings.verl_names import (
     ADDED,
     ENGINE,
     MISSING,
@@ -190,7 +190,7 @@ def test_a_missing_feature_at_its_off_value_is_accepted_with_a_note():
 def test_one_setting_in_two_spellings_is_given_twice(capsys, monkeypatch):
     import sys
 
-    from refppo.cli import entry
+    from refppo.runs.cli import entry
 
     argv = ["refppo", "ppo", "actor.optim.lr=1e-5", "actor_rollout_ref.actor.optim.lr=2e-5"]
     monkeypatch.setattr(sys, "argv", argv)

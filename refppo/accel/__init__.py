@@ -30,8 +30,8 @@ from refppo.accel.decoding import StaticDecoder
 from refppo.accel.gae import packed_gae_advantage_return
 from refppo.accel.logprobs import CHUNK_ELEMENTS, BlockLogProbs, check_fused_kernels
 from refppo.accel.token_budget import TokenBudgetPasses
-from refppo.config import Config
-from refppo.forward import ForwardPasses, response_log_probs
+from refppo.rollout.forward import ForwardPasses, response_log_probs
+from refppo.settings.config import Config
 
 
 def _plain_decoder(model, max_length: int):
@@ -45,7 +45,7 @@ class Accel:
     Attributes:
         actor: the actor's and the reference's log-prob passes and the actor's micro-batches.
         critic: the critic's value pass and micro-batches.
-        decoder: ``decoder(model, max_length)`` -> what :func:`refppo.generation.generate` calls
+        decoder: ``decoder(model, max_length)`` -> what :func:`refppo.rollout.generation.generate` calls
             (the model itself, or a :class:`~refppo.accel.decoding.StaticDecoder`).
         adv_estimators: advantage estimators by name that replace the registered ones.
     """
@@ -65,7 +65,7 @@ def select(config: Config, device: torch.device, distributed: bool = False) -> A
     """The paths ``config`` asks for on ``device``.
 
     - log-probs: in blocks when the device is CUDA, ``actor.use_torch_compile`` is on (null: on
-      CUDA) or ``model.use_fused_kernels`` is set; else :func:`refppo.forward.response_log_probs`;
+      CUDA) or ``model.use_fused_kernels`` is set; else :func:`refppo.rollout.forward.response_log_probs`;
     - micro-batches: of a token budget with ``actor.use_dynamic_bsz`` / ``critic.use_dynamic_bsz``;
     - decoding: :class:`~refppo.accel.decoding.StaticDecoder` with ``rollout.cuda_graphs`` (null:
       on CUDA, but not under torchrun);

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 
-from refppo.device import trainable_attention
-from refppo.memory import bytes_of_values, layer_values
-from refppo.models import base_model
+from refppo.guards.memory import bytes_of_values, layer_values
+from refppo.rollout.device import trainable_attention
+from refppo.rollout.models import base_model
 
 
 def enable_gradient_checkpointing(model, setting: str = "model.enable_gradient_checkpointing") -> None:
@@ -59,7 +59,7 @@ def checkpointed_values_per_token(config) -> tuple[int, int]:
 def checkpointed_activation_bytes(
     config, tokens: int, logit_tokens: int, bytes_per_value: int = 2, seq_len: int | None = None
 ) -> int:
-    """:func:`refppo.memory.activation_bytes` with checkpointed layers: the checkpoints
+    """:func:`refppo.guards.memory.activation_bytes` with checkpointed layers: the checkpoints
     (:func:`checkpointed_values_per_token`) plus the one layer whose forward the backward pass is
     recomputing. The backward pass frees the vocabulary rows before it recomputes the first layer,
     so this is what to budget for, above the true peak of the activations by at most the smaller
@@ -67,7 +67,7 @@ def checkpointed_activation_bytes(
 
     Args:
         config, tokens, logit_tokens, bytes_per_value, seq_len: as
-            :func:`refppo.memory.activation_bytes`.
+            :func:`refppo.guards.memory.activation_bytes`.
 
     Returns:
         Bytes.

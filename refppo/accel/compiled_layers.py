@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from refppo.distributed import decoder_layers
-from refppo.models import base_model
+from refppo.rollout.models import base_model
 
 # Every kind of pass is one more graph of the layers' shared code (with gradients or not, trained or
 # frozen weights, a mask or none, each model's shapes): more than dynamo's default limit of 8, past

@@ -1,4 +1,4 @@
-"""Faster decoding for :func:`refppo.generation.generate` (``rollout.cuda_graphs``): the same
+"""Faster decoding for :func:`refppo.rollout.generation.generate` (``rollout.cuda_graphs``): the same
 samples from the same random draws, up to bf16 rounding in the attention.
 
 - :class:`StaticDecoder`, a model-like callable that ``generate`` calls in place of the model: a
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from refppo.generation import cache_argument
+from refppo.rollout.generation import cache_argument
 
 if TYPE_CHECKING:
     from transformers import StaticCache
@@ -102,7 +102,7 @@ def decode_attention(model) -> Iterator[None]:
 
 @functools.cache
 def _static_cache_class() -> type:
-    from transformers import StaticCache  # here: importing refppo.config must not load transformers
+    from transformers import StaticCache  # here: importing refppo.settings.config must not load transformers
 
     class SameDtypeStaticCache(StaticCache):
         """Under bf16 autocast the keys leave the rotary embedding in float32 and the values are
@@ -116,7 +116,7 @@ def _static_cache_class() -> type:
 
 
 class StaticDecoder:
-    """A causal LM as :func:`refppo.generation.generate` calls it, decoding over a static KV cache
+    """A causal LM as :func:`refppo.rollout.generation.generate` calls it, decoding over a static KV cache
     of ``max_length`` slots with each one-token step compiled (replayed as a CUDA graph on a GPU).
 
     The prefill runs eagerly and fills the cache; each later call is one token per row through the

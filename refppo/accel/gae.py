@@ -13,7 +13,7 @@ import math
 import torch
 
 from refppo.functional import masked_whiten
-from refppo.inputs import checked_gae_inputs
+from refppo.guards.inputs import checked_gae_inputs
 
 
 def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Log-probs and entropies in blocks of rows (``refppo.forward.response_log_probs``'s numbers, to
+"""Log-probs and entropies in blocks of rows (``refppo.rollout.forward.response_log_probs``'s numbers, to
 float rounding), for vocabularies too large for a whole float32 log-softmax:
 
 - chunked: the logits reduced a block of rows at a time in float32, with a backward pass that
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from refppo.checks import TEMPERATURES, check_number, check_tensors
-from refppo.device import trainable_forward
-from refppo.forward import model_inputs, response_logits
-from refppo.inputs import check_labels, check_log_probs, check_logits
-from refppo.models import LoraDisabledReference, base_model
+from refppo.guards.checks import TEMPERATURES, check_number, check_tensors
+from refppo.guards.inputs import check_labels, check_log_probs, check_logits
+from refppo.rollout.device import trainable_forward
+from refppo.rollout.forward import model_inputs, response_logits
+from refppo.rollout.models import LoraDisabledReference, base_model
 
 # Elements (rows x vocab) of float32 scratch per block, by device: a CPU gains nothing from larger
 # blocks; on a GPU each block costs launches, so larger ones are faster (benchmarks/README.md).
@@ -325,7 +325,7 @@ def fused_logprobs(
 
 @dataclass(frozen=True)
 class BlockLogProbs:
-    """:func:`refppo.forward.response_log_probs` with its log-softmax in blocks: from the logits
+    """:func:`refppo.rollout.forward.response_log_probs` with its log-softmax in blocks: from the logits
     (:func:`chunked_logprobs`) or, with ``fused``, from the final hidden states
     (:func:`fused_logprobs`; the model must pass :func:`check_fused_kernels`).
 

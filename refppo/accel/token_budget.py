@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refppo.forward import ForwardPasses
+from refppo.rollout.forward import ForwardPasses
 
 
 def cut(batch: dict[str, torch.Tensor], prompt_keep: int, response_keep: int) -> dict[str, torch.Tensor]:
@@ -86,7 +86,7 @@ def token_budget_micro_batches(
 
 @dataclass(frozen=True)
 class TokenBudgetPasses(ForwardPasses):
-    """:class:`refppo.forward.ForwardPasses` whose micro-batches hold at most ``max_tokens`` tokens
+    """:class:`refppo.rollout.forward.ForwardPasses` whose micro-batches hold at most ``max_tokens`` tokens
     (:func:`token_budget_micro_batches`) instead of a row count."""
 
     max_tokens: int = 16384

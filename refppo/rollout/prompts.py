@@ -1,0 +1,226 @@
+"""Prompts to token ids (ch 5): texts and chats encoded as verl's rollout does, left-padded, and
+the batch layout every forward pass reads.
+
+A batch is a dict of tensors (B = prompts x ``rollout.n``, P = prompt width, R = response width):
+
+- ``prompts`` (B, P): left-padded prompt ids; ``responses`` (B, R): right-padded with pad;
+- ``input_ids``, ``attention_mask``, ``position_ids`` (B, P + R): the full sequences;
+- ``response_mask`` (B, R): 1 on every generated token up to and including the first EOS.
+
+Generation adds ``rollout_log_probs`` (B, R), ``is_truncated`` (B,) and ``index`` (B,)
+(:func:`refppo.rollout.generation.generate`). Position ``P - 1 + t`` of a sequence is the state before
+response token ``t``: its logits predict token ``t`` and its value is ``values[:, t]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from refppo.guards.checks import check_choice
+from refppo.settings.config import TRUNCATION_MODES
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token-id lists into a left-padded batch.
+
+    Args:
+        sequences: N lists of token ids, each non-empty.
+        pad_token_id: the id written into padding.
+
+    Returns:
+        (input_ids (N, L) int64, attention_mask (N, L) int64), L the longest length.
+    """
+    if len(sequences) == 0:
+        raise ValueError("no prompts: the prompt list is empty")
+    for i, seq in enumerate(sequences):
+        if len(seq) == 0:
+            raise ValueError(f"sequence {i} has no tokens")
+    width = max(len(s) for s in sequences)
+    # One tensor from Python lists: a copy per row costs more than the tokens on a tiny model.
+    ids = torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
+    return ids, mask
+
+
+def prompt_problem(prompt, tokenizer=None) -> str | None:
+    """Why ``prompt`` cannot be a prompt, or None. A prompt is a text, or a chat: a non-empty list
+    of ``{"role": str, "content": str}`` messages (verl's data format), which needs a tokenizer
+    with a chat template (checked when ``tokenizer`` is given)."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, dict):
+        return "is one message, not a chat: a chat is a list of messages"
+    if (
+        not isinstance(prompt, (list, tuple))
+        or not prompt
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+    ):
+        return 'is neither a text nor a chat (a non-empty list of {"role": ..., "content": ...} messages, strings)'
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        return "is a chat, but the tokenizer has no chat template to render it"
+    return None
+
+
+def encode_prompts(tokenizer, prompts: Sequence, names: Sequence[str] | None = None) -> list[list[int]]:
+    """The token ids of each prompt, as verl's rollout builds them.
+
+    A text is encoded with the tokenizer's special tokens (a BOS where the tokenizer adds one). A
+    chat is rendered by the tokenizer's chat template with the assistant's turn opened
+    (``add_generation_prompt=True``), then encoded without adding special tokens: the template
+    writes its own, and adding them again would double the BOS of Llama-style tokenizers.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer; chats need its ``chat_template``.
+        prompts: N texts or chats (see :func:`prompt_problem`), in any mix.
+        names: N names of the prompts for errors (e.g. "file.jsonl:3"); None: "prompt i".
+
+    Returns:
+        N lists of token ids.
+
+    Raises:
+        ValueError: naming the prompt: not a text or a chat, or a chat its template refuses.
+    """
+    names = names or [f"prompt {i}" for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts):
+        if (problem := prompt_problem(prompt, tokenizer)) is not None:
+            raise ValueError(f"{name} {problem}")
+    chats = [not isinstance(p, str) for p in prompts]
+    texts = [_render_chat(tokenizer, p, name) if chat else p for p, chat, name in zip(prompts, chats, names)]
+    ids: list[list[int]] = [[] for _ in prompts]
+    for chat in (False, True):  # one tokenizer call for the texts, one for the chats
+        rows = [i for i, c in enumerate(chats) if c == chat]
+        if rows:
+            for i, seq in zip(rows, tokenizer([texts[i] for i in rows], add_special_tokens=not chat)["input_ids"]):
+                ids[i] = seq
+    return ids
+
+
+def _render_chat(tokenizer, chat: Sequence[dict], name: str) -> str:
+    """A chat rendered by the tokenizer's template with the assistant's turn opened; a template's
+    refusal (e.g. of a role it does not know) becomes a ValueError naming the prompt and its roles."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=False)
+    except TemplateError as error:
+        roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in chat))
+        raise ValueError(f"{name}: the tokenizer's chat template refuses this chat (roles: {roles}): {error}") from None
+
+
+def tokenize_prompts(
+    tokenizer, prompts: Sequence, max_prompt_length: int | None = None, truncation: str = "error"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize prompts into a left-padded batch (texts with the tokenizer's special tokens, chats
+    through its chat template: :func:`encode_prompts`).
+
+    Args:
+        tokenizer: a tokenizer prepared by ``refppo.rollout.models.prepare_tokenizer``.
+        prompts: N texts or chats.
+        max_prompt_length: longest allowed prompt in tokens; None for no limit.
+        truncation: what a longer prompt gets (verl's ``data.truncation``): "error", or keep
+            its "left" part, or its "right" part (the end, next to the response).
+
+    Returns:
+        (input_ids (N, L) int64, attention_mask (N, L) int64).
+    """
+    check_choice("truncation", truncation, TRUNCATION_MODES)
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be a list of texts, got one string")
+    if len(prompts) == 0:
+        raise ValueError("no prompts: the prompt list is empty")
+    ids = encode_prompts(tokenizer, prompts)
+    if max_prompt_length is not None:
+        for i, seq in enumerate(ids):
+            if len(seq) > max_prompt_length:
+                if truncation == "error":
+                    raise ValueError(
+                        f"prompt {i} has {len(seq)} tokens, more than max_prompt_length={max_prompt_length} "
+                        "(raise the limit or set truncation to 'left' or 'right')"
+                    )
+                ids[i] = seq[:max_prompt_length] if truncation == "left" else seq[-max_prompt_length:]
+    return left_pad(ids, tokenizer.pad_token_id)
+
+
+def tokenize_records(tokenizer, records: Sequence[dict], data) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tokenize_prompts` of the records' prompts (``data.prompt_key``) under ``data``'s
+    ``max_prompt_length`` and ``truncation`` (a run's ``config.data``): (N, L) ids and mask."""
+    prompts = [r[data.prompt_key] for r in records]
+    return tokenize_prompts(tokenizer, prompts, data.max_prompt_length, data.truncation)
+
+
+def decode_texts(tokenizer, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """A batch's prompts and responses as texts without special tokens (padding, BOS, EOS): what a
+    reward function reads.
+
+    Args:
+        tokenizer: the batch's tokenizer.
+        batch: ``prompts`` (B, P), ``responses`` (B, R) and ``response_mask`` (B, R).
+
+    Returns:
+        (prompts, responses): B texts each.
+    """
+    responses = batch["responses"].masked_fill(batch["response_mask"] == 0, tokenizer.pad_token_id)
+    return [tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in (batch["prompts"], responses)]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only attended tokens, so left padding does not shift them.
+
+    Args:
+        attention_mask: (B, L) 0/1.
+
+    Returns:
+        (B, L) int64: 0 for the first real token of each row (and for the padding before it).
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def sequence_batch(prompts, prompt_mask, responses, response_mask) -> dict[str, torch.Tensor]:
+    """The batch layout's sequence tensors.
+
+    Args:
+        prompts, prompt_mask: (B, P) left-padded prompt ids and their 0/1 mask.
+        responses, response_mask: (B, R) right-padded response ids and their 0/1 mask.
+
+    Returns:
+        ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
+        ``response_mask`` (see the module docstring).
+    """
+    full_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": full_mask,
+        "position_ids": position_ids_from_mask(full_mask),
+        "response_mask": response_mask,
+    }
+
+
+def build_batch(
+    tokenizer, prompts: Sequence[str], responses: Sequence[str], add_eos: bool = True
+) -> dict[str, torch.Tensor]:
+    """A batch in the rollout layout from given texts (for SFT, reward-model pairs, tests).
+
+    Args:
+        tokenizer: a prepared tokenizer.
+        prompts: N prompt texts (tokenized with the tokenizer's special tokens, left-padded).
+        responses: N response texts (tokenized without special tokens, right-padded).
+        add_eos: end each response with EOS, as a finished rollout does.
+
+    Returns:
+        dict with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
+        ``position_ids``, ``response_mask`` (see the module docstring).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    response_lists = [seq + eos for seq in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
+    # Right padding is left padding of the reversed lists, reversed back.
+    flipped, flipped_mask = left_pad([seq[::-1] for seq in response_lists], tokenizer.pad_token_id)
+    return sequence_batch(prompt_ids, prompt_mask, flipped.flip(1), flipped_mask.flip(1))

@@ -1,0 +1,109 @@
+"""When a setting is read: the conditions on other settings (:func:`refppo.settings.declare.when`) that
+:mod:`refppo.settings.config`'s declarations name, and the critic settings that fall back to the actor's."""
+
+from __future__ import annotations
+
+from refppo.advantages import ADV_ESTIMATORS, needs_critic
+from refppo.losses import POLICY_LOSSES
+from refppo.settings.declare import when
+
+NORM = "seq-mean-token-sum-norm"
+
+
+def _takers(registry, key: str, input_name: str) -> str:
+    return f"{key}={' or '.join(n for n in registry.names() if registry.takes(n, input_name))}"
+
+
+def _critic_norm(c) -> bool:
+    return needs_critic(c.algorithm.adv_estimator) and critic_setting(c, "loss_agg_mode") == NORM
+
+
+HAS_CRITIC = when(
+    lambda s: needs_critic(s.config.algorithm.adv_estimator),
+    lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", "values") + " (an estimator with a critic)",
+)
+WARMUP = when(  # 0 is accepted without a critic too: verl's GRPO scripts set it
+    lambda s: HAS_CRITIC(s) is None or s.config.trainer.critic_warmup == 0,
+    lambda s: HAS_CRITIC(s),
+)
+LOSS_TAKES = when(  # a setting of the policy loss: read by the losses that declare it
+    lambda s: POLICY_LOSSES.takes(s.config.actor.policy_loss, s.name),
+    lambda s: _takers(POLICY_LOSSES, "actor.policy_loss", s.name),
+)
+ESTIMATOR_TAKES = when(  # a setting of the advantage estimator: read by those that declare it
+    lambda s: ADV_ESTIMATORS.takes(s.config.algorithm.adv_estimator, s.name),
+    lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", s.name),
+)
+KL_IN_REWARD = when(lambda s: s.config.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward=true")
+ENDS_AT_EOS = when(lambda s: not s.config.rollout.ignore_eos, "rollout.ignore_eos=false (responses that can end)")
+KL_LOSS = when(lambda s: s.config.actor.use_kl_loss, "actor.use_kl_loss=true")
+REFERENCE = when(
+    lambda s: s.config.algorithm.use_kl_in_reward or s.config.actor.use_kl_loss,
+    "algorithm.use_kl_in_reward=true or actor.use_kl_loss=true (the reference pass)",
+)
+OLD_LOG_PROB_PASS = when(
+    lambda s: not s.config.algorithm.rollout_correction.bypass_mode,
+    "algorithm.rollout_correction.bypass_mode=false (bypass reuses the sampler's log-probs)",
+)
+REJECTING = when(lambda s: s.owner.rollout_rs is not None, "algorithm.rollout_correction.rollout_rs=<criteria>")
+IS_WEIGHTS = when(lambda s: s.owner.rollout_is is not None, "algorithm.rollout_correction.rollout_is=token or sequence")
+ONE_CLIP_BOUND_UNSET = when(
+    lambda s: s.owner.clip_ratio_low is None or s.owner.clip_ratio_high is None,
+    "actor.clip_ratio_low or actor.clip_ratio_high null (both are set)",
+)
+ACTOR_NORM = when(
+    lambda s: s.owner.loss_agg_mode == NORM or (_critic_norm(s.config) and s.config.critic.loss_scale_factor is None),
+    f"actor.loss_agg_mode={NORM}, or a critic whose loss mode is that with critic.loss_scale_factor null",
+)
+CRITIC_NORM = when(lambda s: _critic_norm(s.config), f"critic.loss_agg_mode={NORM} (null: actor.loss_agg_mode)")
+NO_ENTROPY_BONUS = when(
+    lambda s: s.owner.entropy_coeff == 0, "actor.entropy_coeff=0 (a coefficient computes the entropy anyway)"
+)
+DYNAMIC_BSZ = when(lambda s: s.owner.use_dynamic_bsz, lambda s: f"{s.section}use_dynamic_bsz=true")
+WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps == -1, lambda s: f"{s.section}lr_warmup_steps=-1")
+COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")
+KL_CTRL_TARGET = when(lambda s: s.owner.type != "fixed", "algorithm.kl_ctrl.type=adaptive or ppo_paper")
+KL_CTRL_ADAPTIVE = when(lambda s: s.owner.type == "adaptive", "algorithm.kl_ctrl.type=adaptive")
+EVALUATING = when(lambda s: s.config.trainer.test_freq > 0, "trainer.test_freq > 0")
+VAL_SAMPLING = when(lambda s: s.owner.do_sample, "rollout.val_kwargs.do_sample=true")
+LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
+FILE_TASK = when(lambda s: s.config.data.task == "file", "data.task=file")
+ARITHMETIC = when(lambda s: s.config.data.task == "arithmetic", "data.task=arithmetic")
+PREFERENCE = when(lambda s: s.config.data.task == "preference", "data.task=preference")
+RM_FILE = when(  # refppo rm checks the lengths of a file's comparisons; synthetic ones fit anyway
+    lambda s: s.command != "rm" or s.config.data.task == "file", "data.task=file (a file's comparisons)"
+)
+REWARD_MODEL = when(lambda s: s.config.reward_model.enable, "reward_model.enable=true")
+RULE_SCORES = when(lambda s: not s.config.reward_model.enable, "reward_model.enable=false (a rule or reward_fn scores)")
+DAPO_MANAGER = when(lambda s: s.config.reward_model.reward_manager == "dapo", "reward_model.reward_manager=dapo")
+OVERLONG = when(lambda s: s.config.reward_model.overlong_buffer.enable, "reward_model.overlong_buffer.enable=true")
+FILTERING = when(lambda s: s.owner.enable, "algorithm.filter_groups.enable=true")
+FRESH_MODEL = when(
+    lambda s: s.config.model.path is None, "model.path=null (a fresh tiny model; a checkpoint brings its own shape)"
+)
+TINY_MODEL = {"commands": ("sft",), "needs": FRESH_MODEL, "unread_because": "the model's shape comes from model.path"}
+
+
+EVALUATION_PROMPTS = when(
+    lambda s: not (s.config.data.task == "file" and (s.config.data.val_files or s.command == "sft")),
+    lambda s: (
+        "data.val_files=null (data.val_files holds the evaluation prompts)"
+        if s.command == "ppo"
+        else "data.task=arithmetic or preference (refppo sft holds out data.val_fraction of a file)"
+    ),
+)
+HELD_OUT_SHARE = when(
+    lambda s: not s.config.data.val_files, "data.val_files=null (data.val_files holds the held-out records)"
+)
+
+
+# The critic settings that are the actor's when unset (verl's config interpolates them).
+CRITIC_FROM_ACTOR = ("ppo_epochs", "ppo_mini_batch_size", "loss_agg_mode", "loss_scale_factor")
+
+
+def critic_setting(config, name: str):
+    """``critic.<name>``, or ``actor.<name>`` when unset, for a name in ``CRITIC_FROM_ACTOR``:
+    ``ppo_epochs``, ``ppo_mini_batch_size`` (prompts), ``loss_agg_mode``, ``loss_scale_factor``
+    (still None when both are: the trainer then divides by ``data.max_response_length``)."""
+    value = getattr(config.critic, name)
+    return getattr(config.actor, name) if value is None else value

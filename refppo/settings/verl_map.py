@@ -1,0 +1,170 @@
+"""refppo's settings beside verl 0.9's (ch 5): which verl key each one is, which have no verl
+counterpart and why, and where refppo's default differs from verl's and why. The book's key map
+(:func:`key_map`) and ``refppo ppo --print-verl`` (:func:`verl_command`) are made from these
+tables, so they cannot drift from the config."""
+
+from __future__ import annotations
+
+from refppo.settings.conditions import CRITIC_FROM_ACTOR, critic_setting
+from refppo.settings.config import Config, declarations, get_value
+from refppo.settings.validate import format_value, ignored_settings, read_settings
+from refppo.settings.verl_names import ADDED, VALUES, verl_key
+
+TINY = "the shape of a fresh tiny model (model.path=null); verl always loads a checkpoint"
+OWN_COMMAND = "refppo's own {} command; verl trains {} with a separate program"
+# refppo settings with no verl counterpart, and why
+REFPPO_ONLY = {
+    "data.task": "refppo's offline tasks (arithmetic, preference); file reads data.train_files as verl does",
+    "data.val_size": "how many prompts an offline task holds out for evaluation",
+    "data.val_fraction": OWN_COMMAND.format("sft and rm", "SFT and reward models")
+    + "; the share of a file held out when there is no data.val_files",
+    "data.messages_key": OWN_COMMAND.format("sft", "SFT") + " (its data.multiturn.messages_key)",
+    "data.response_key": OWN_COMMAND.format("sft", "SFT") + " (its data.response_key; TRL's completion)",
+    "data.chosen_key": OWN_COMMAND.format("rm", "reward models") + " (OpenRLHF's --chosen_key)",
+    "data.rejected_key": OWN_COMMAND.format("rm", "reward models") + " (OpenRLHF's --rejected_key)",
+    **{f"model.{k}": TINY for k in ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads")},
+    "model.num_key_value_heads": TINY,
+    "actor.penalty_kl_coef": "PPO-penalty (ch 2), a loss verl does not have",
+    "actor.penalty_kl_type": "PPO-penalty (ch 2), a loss verl does not have",
+    "rollout.cuda_graphs": "refppo's own decoder; verl samples with vLLM or SGLang",
+    "model.compile_layers": "refppo's own; verl's torchtitan engine compiles each layer under use_torch_compile",
+    "reward_model.reward_fn": "a Python function, package.module:function (verl's reward.custom_reward_function "
+    "takes a file path and a name)",
+    "reward_model.micro_batch_size_per_gpu": "the reward model's forward passes; verl serves it from its engine",
+    "reward_model.missing_eos_penalty": "TRL's penalty for a response that never ends",
+    "trainer.seed": "one seed for the run; verl seeds its data, rollout and engines apart",
+    "trainer.resume": "continue the run in trainer.output_dir (verl: trainer.resume_mode=auto, also accepted)",
+    "trainer.progress_bar": "refppo's progress bar",
+    **{f"sft.{k}": OWN_COMMAND.format("sft", "SFT") for k in ("steps", "batch_size", "lr", "n_examples")},
+    "sft.teacher_carry_error": OWN_COMMAND.format("sft", "SFT"),
+    **{
+        f"rm.{k}": OWN_COMMAND.format("rm", "reward models") for k in ("steps", "batch_size", "lr", "n_pairs", "center")
+    },
+}
+TINY_RUNS = "tiny CPU models"
+# refppo settings whose default is not verl's: verl's default, and why
+OTHER_DEFAULTS = {
+    "data.train_files": ("~/data/rlhf/gsm8k/train.parquet", "refppo's default task is offline (data.task)"),
+    "data.val_files": ("~/data/rlhf/gsm8k/test.parquet", "refppo's default task is offline (data.task)"),
+    "data.train_batch_size": (1024, f"{TINY_RUNS} learn from small batches, a step in about a second"),
+    "data.max_prompt_length": (512, "the arithmetic task's prompts are a few characters"),
+    "data.max_response_length": (512, "the arithmetic task's answers are a few characters"),
+    "model.path": ("~/models/deepseek-llm-7b-chat", "null builds a fresh tiny model"),
+    "model.enable_gradient_checkpointing": (True, f"{TINY_RUNS} have memory to spare; it costs a forward pass"),
+    "critic.model.enable_gradient_checkpointing": (True, f"{TINY_RUNS} have memory to spare; it costs a forward pass"),
+    "critic.model.path": ("~/models/deepseek-llm-7b-chat", "null: the actor's model.path, with a fresh value head"),
+    "critic.use_dynamic_bsz": (
+        "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}",
+        "the critic's micro-batches are its own setting, not the actor's",
+    ),
+    "actor.optim.lr": (1e-6, f"{TINY_RUNS} trained from scratch take larger steps; checkpoints want about 1e-6"),
+    "critic.optim.lr": (1e-5, "a fresh value head on a tiny model must follow the returns within a short run"),
+    "actor.optim.weight_decay": (0.01, "Adam's update stays the plain formula the book derives"),
+    "critic.optim.weight_decay": (0.01, "Adam's update stays the plain formula the book derives"),
+    "actor.ppo_mini_batch_size": (256, "a quarter of data.train_batch_size, as verl's 256 of 1024"),
+    "actor.clip_ratio_low": (0.2, "null takes actor.clip_ratio, so one setting moves both bounds"),
+    "actor.clip_ratio_high": (0.2, "null takes actor.clip_ratio, so one setting moves both bounds"),
+    "actor.policy_loss": ("vanilla", "the same loss, named clip for chapter 3 (vanilla is accepted)"),
+    "actor.use_torch_compile": (True, "null: on with CUDA, off on a CPU, where compiling costs more than it saves"),
+    "trainer.total_training_steps": (None, "refppo counts steps (verl counts trainer.total_epochs unless set)"),
+    "trainer.total_epochs": (30, "a step count bounds refppo's runs; epochs bound them too when set"),
+    "trainer.device": ("cuda", "CUDA when there is one, else the CPU"),
+    "trainer.output_dir": ("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "runs/<command>"),
+    "trainer.save_freq": (-1, "a run never loses work: a checkpoint every 100 steps"),
+    "trainer.test_freq": (-1, "the book plots held-out scores through a run"),
+    "trainer.critic_warmup": (0, "a fresh critic needs a few steps to follow the returns (read only with a critic)"),
+    "trainer.logger": (["console", "wandb"], "metrics.jsonl is always written; the others are optional packages"),
+    "trainer.project_name": ("verl_examples", "refppo's runs"),
+    "trainer.experiment_name": ("gsm8k", "null names the wandb or MLflow run after its run folder"),
+}
+
+
+# The settings whose default refppo chose for its tiny CPU models. A verl command line means verl's
+# config, so it starts from verl's defaults for these (those it reads; :func:`verl_line_defaults`).
+FOR_TINY_MODELS = (
+    "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+    "model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing", "actor.optim.lr",
+    "critic.optim.lr", "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.ppo_mini_batch_size",
+    "trainer.save_freq", "trainer.test_freq", "trainer.critic_warmup", "trainer.total_epochs",
+)  # fmt: skip
+
+
+def verl_line_defaults(config: Config, given: list[str], command: str = "ppo") -> list[str]:
+    """verl 0.9's defaults, as overrides, for the :data:`FOR_TINY_MODELS` settings that ``refppo
+    <command>`` reads in ``config`` and ``given`` (refppo-spelled overrides) does not set."""
+    keys = {item.partition("=")[0].strip() for item in given}
+    ignored = ignored_settings(config, command)
+    read = [k for k in FOR_TINY_MODELS if k in read_settings(command, config) and k not in keys | ignored.keys()]
+    return [f"{key}={format_value(OTHER_DEFAULTS[key][0])}" for key in read]
+
+
+def key_map(config: Config | None = None) -> list[tuple[str, str, str, str, str]]:
+    """Every refppo setting beside verl's: (refppo key, verl key or "—", refppo's default,
+    verl's default where it differs or "", why it differs or why refppo alone has it)."""
+    config = config or Config()
+    rows = []
+    for key in declarations(config):
+        default = format_value(get_value(config, key))
+        if key in REFPPO_ONLY:
+            rows.append((key, "—", default, "", REFPPO_ONLY[key]))
+        elif key in OTHER_DEFAULTS:
+            theirs, why = OTHER_DEFAULTS[key]
+            rows.append((key, verl_key(key), default, format_value(theirs), why))
+        else:
+            rows.append((key, verl_key(key), default, "", ""))
+    return rows
+
+
+def _effective(config: Config, key: str):
+    """The value refppo runs with, where a null setting stands for another's (verl would read the
+    null as it is)."""
+    section, _, name = key.rpartition(".")
+    value, n = get_value(config, key), config.rollout.n
+    if name.endswith("micro_batch_size_per_gpu") and value is None:  # null: the whole (mini-)batch's rows
+        if section == "actor":
+            return config.actor.ppo_mini_batch_size * n
+        if section == "critic":
+            return critic_setting(config, "ppo_mini_batch_size") * n
+        return config.data.train_batch_size * n
+    if section == "critic" and name in CRITIC_FROM_ACTOR:
+        return critic_setting(config, name)
+    if key == "critic.model.path":
+        return config.critic.model.path or config.model.path
+    if key in ("actor.clip_ratio_low", "actor.clip_ratio_high"):
+        return config.actor.clip_ratio if value is None else value
+    if key == "reward_model.max_resp_len" and value is None:  # verl's DAPO manager needs it given
+        return config.data.max_response_length
+    return value
+
+
+def verl_command(config: Config, command: str = "ppo") -> str:
+    """The verl 0.9 command line that runs ``config`` as ``refppo ppo`` does: every setting it
+    reads that verl shares, by verl's full key, then, as comments, the ones verl has no
+    counterpart for (a null setting that stands for another is given that one's value).
+
+    Raises:
+        ValueError: for a command other than ppo (verl's SFT trainer is a separate program).
+    """
+    if command != "ppo":
+        raise ValueError(f"--print-verl prints verl's main_ppo command: refppo {command} has none")
+    ignored = ignored_settings(config, command)
+    read = [key for key in read_settings(command, config) if key not in ignored]
+    lines, alone = ["python3 -m verl.trainer.main_ppo"], []
+    for key in read:
+        value = _effective(config, key)
+        if (key, value) in (("data.task", "file"), ("trainer.device", "auto")):
+            continue  # what verl does: prompts from files, CUDA
+        if key == "actor.clip_ratio" and "actor.clip_ratio_low" in read:
+            continue  # both bounds are given
+        if key in REFPPO_ONLY or (key.endswith("model.path") and value is None):
+            alone.append(f"#   {key}={format_value(value)}: {REFPPO_ONLY.get(key, TINY)}")
+            continue
+        if key == "trainer.total_epochs" and value is None:
+            value = 10**6  # refppo counts steps; verl's run would end after its default 30 epochs
+        if value is not None or key != "actor.use_torch_compile":
+            text = f"[{','.join(map(str, value))}]" if isinstance(value, tuple) else format_value(value)
+            text = {v: k[1] for k, v in VALUES.items() if k[0] == key}.get(text, text)  # verl's name of the value
+            plus = "+" if verl_key(key) in ADDED else ""  # a key verl's config file lacks
+            lines.append(f"    {plus}{verl_key(key)}={text}")
+    head = " \\\n".join(lines)
+    return head + ("\n# refppo settings verl has no counterpart for:\n" + "\n".join(alone) if alone else "")

@@ -1,0 +1,38 @@
+"""Optimisation: AdamW with a warm-up and an optional cosine schedule, one per trained model."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from refppo.settings.config import OptimConfig
+
+
+def make_optimizer(params, optim: OptimConfig, total_steps: int):
+    """AdamW and verl's LambdaLR schedules (``get_constant_schedule_with_warmup``,
+    ``get_cosine_schedule_with_warmup``), the learning rate at step s being lr x factor(s):
+
+    - warm-up, s < W: s / W, so the first update runs at lr 0, as in verl; W = ``lr_warmup_steps``,
+      or when that is -1 ``lr_warmup_steps_ratio`` x ``total_steps`` rounded down;
+    - then ``lr_scheduler_type=constant``: 1;
+    - or ``cosine``: m + (1 - m)(1 + cos(pi p)) / 2, p = (s - W) / max(1, total_steps - W),
+      m = ``min_lr_ratio``: from 1 to m at ``total_steps``.
+
+    Returns:
+        (optimizer, scheduler); the scheduler steps once per training step.
+    """
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    warmup, floor = optim.lr_warmup_steps, optim.min_lr_ratio
+    if warmup == -1:
+        warmup = int(optim.lr_warmup_steps_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / warmup
+        if optim.lr_scheduler_type == "constant":
+            return 1.0
+        done = (step - warmup) / max(1, total_steps - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
