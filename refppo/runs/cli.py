@@ -25,22 +25,28 @@ from pathlib import Path
 import torch
 
 from refppo.advantages import needs_critic
-from refppo.settings.config import COMMANDS, Config, declarations, get_value
-from refppo.training.data import preference_sft_examples, sft_examples, task_data, total_steps
-from refppo.settings.declare import check_once
-from refppo.rollout.device import resolve_device
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
-from refppo.runs.loggers import check_installed
 from refppo.guards.memory import SYNTHETIC_RECORD_BYTES
 from refppo.guards.model_folder import check_lora_rank, check_model_folder, check_same_tokenizer, check_vocabulary
-from refppo.settings.overrides import command_settings
+from refppo.rollout.device import resolve_device
 from refppo.rollout.prompts import tokenize_prompts, tokenize_records
 from refppo.runs.folder import RunFolder, check_free, check_resume, check_writable, summary
+from refppo.runs.loggers import check_installed
+from refppo.runs.sizes import (
+    check_batch_fits,
+    check_fits,
+    check_generation_fits,
+    check_rollouts_fit,
+    check_tiny_model_fits,
+)
+from refppo.settings.config import COMMANDS, Config, declarations, get_value
+from refppo.settings.declare import check_once
+from refppo.settings.overrides import command_settings
 from refppo.settings.validate import format_value, ignored_settings, read_settings, valid_text, validate
-from refppo.runs.sizes import check_batch_fits, check_fits, check_generation_fits, check_rollouts_fit, check_tiny_model_fits
-from refppo.tasks import preference
 from refppo.settings.verl_map import verl_command
 from refppo.settings.verl_names import translate
+from refppo.tasks import preference
+from refppo.training.data import preference_sft_examples, sft_examples, task_data, total_steps
 
 
 def settings_help(command: str, config: Config | None = None) -> str:
@@ -190,8 +196,8 @@ def _file_demonstrations(config: Config, tokenizer, model_config, world: World, 
     held-out ``val/accuracy``, or None) from ``data.train_files``. The accuracy is that of the
     model's greedy answer to the last turn of each held-out record
     (:func:`refppo.tasks.rules.answer_accuracy`), when every held-out record has a ground truth."""
-    from refppo.training.sft import greedy_score
     from refppo.tasks.rules import answer_accuracy, ground_truth
+    from refppo.training.sft import greedy_score
     from refppo.training.user_data import demonstrations
 
     train, held = demonstrations(config.data, tokenizer, config.trainer.seed)
@@ -279,10 +285,10 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
-    from refppo.training.fit import fit
     from refppo.rollout.models import add_lora, freeze, load_causal_lm, load_value_model
-    from refppo.training.reward_fns import load_reward_fn
     from refppo.tasks.rules import require_rules
+    from refppo.training.fit import fit
+    from refppo.training.reward_fns import load_reward_fn
     from refppo.training.trainer import PPOTrainer
 
     if config.model.path is None:

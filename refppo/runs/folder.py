@@ -24,16 +24,16 @@ import os
 import re
 import shutil
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.settings.conditions import CRITIC_FROM_ACTOR
-from refppo.settings.config import Config, config_to_dict, flatten
 from refppo.distributed import SINGLE, World, barrier
 from refppo.runs.loggers import check_installed, open_loggers
-from refppo.training.checkpoint import MODELS, STATE_FILE
+from refppo.settings.conditions import CRITIC_FROM_ACTOR
+from refppo.settings.config import Config, config_to_dict, flatten
 from refppo.settings.validate import resumable_settings
+from refppo.training.checkpoint import MODELS, STATE_FILE
+
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")

@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from refppo.settings.config import Config
 from refppo.distributed import World
 from refppo.guards.memory import rollout_bytes, state_bytes
+from refppo.settings.config import Config
 
 
 def machine_bytes(device: torch.device) -> int:
