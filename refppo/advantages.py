@@ -6,30 +6,81 @@ All tensors are response-only, shape ``(batch, response_len)`` (the layout of :m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from refppo.functional import masked_whiten
-from refppo.guards.checks import check_flag, check_number, checks_once
+from refppo.guards.checks import check_choice, check_flag, check_number, checks_once
 from refppo.guards.inputs import check_outcome_inputs, checked_gae_inputs, checked_return_inputs, group_ids, work_dtype
-from refppo.registry import Registry
+from refppo.registry import ConfigView, Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")
-# verl's names. An estimator receives, by parameter name, any key of the batch (``values`` only
-# when it declares it: declaring ``values`` is what makes the trainer build a critic; declaring
-# ``index`` makes the config ask for rollout.n >= 2) and any field of ``algorithm`` (gamma, lam,
-# norm_adv_by_std_in_grpo, ...).
+# verl's names, called as verl 0.9's compute_advantage calls them (:func:`compute_advantage`).
 register_adv_est = ADV_ESTIMATORS.register
 get_adv_estimator_fn = ADV_ESTIMATORS.get
 
 
 def needs_critic(adv_estimator: str) -> bool:
-    """Whether the estimator registered as ``adv_estimator`` reads a critic's ``values``."""
-    return ADV_ESTIMATORS.takes(adv_estimator, "values")
+    """Whether ``adv_estimator`` reads a critic's values: GAE alone, as in verl."""
+    check_choice("adv_estimator", adv_estimator, ADV_ESTIMATORS.names())
+    return adv_estimator == "gae"
 
 
-@register_adv_est("gae")
+def compute_advantage(
+    data: dict[str, torch.Tensor],
+    adv_estimator: str,
+    adv_estimator_fn: Callable,
+    config,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's advantages and returns, with the estimator called as verl 0.9's
+    ``compute_advantage`` calls it.
+
+    GAE receives the critic's ``values``, ``gamma`` and ``lam``; GRPO the group labels ``index`` and
+    ``norm_adv_by_std_in_grpo``; every other estimator ``token_level_rewards``, ``response_mask``,
+    ``config`` (the algorithm's settings, a :class:`refppo.registry.ConfigView`) and ``index``, and
+    ``reward_baselines`` when the batch holds them (ReMax). An estimator written for verl's registry
+    therefore runs unchanged.
+
+    Args:
+        data: the batch: ``token_level_rewards`` and ``response_mask`` (batch, T), ``index``
+            (batch,), and ``values`` (batch, T) for GAE, ``reward_baselines`` (batch,) for ReMax.
+        adv_estimator: the estimator's name (``algorithm.adv_estimator``).
+        adv_estimator_fn: the function to call, ``get_adv_estimator_fn(adv_estimator)`` or a
+            faster one that equals it.
+        config: the algorithm's settings (:class:`refppo.settings.config.AlgorithmConfig`).
+
+    Returns:
+        advantages, returns: both (batch, T).
+    """
+    check_choice("adv_estimator", adv_estimator, ADV_ESTIMATORS.names())
+    if adv_estimator == "gae":
+        return adv_estimator_fn(
+            token_level_rewards=data["token_level_rewards"],
+            values=data["values"],
+            response_mask=data["response_mask"],
+            gamma=config.gamma,
+            lam=config.lam,
+        )
+    if adv_estimator == "grpo":
+        return adv_estimator_fn(
+            token_level_rewards=data["token_level_rewards"],
+            response_mask=data["response_mask"],
+            index=data["index"],
+            norm_adv_by_std_in_grpo=config.norm_adv_by_std_in_grpo,
+        )
+    adv_kwargs = {
+        "token_level_rewards": data["token_level_rewards"],
+        "response_mask": data["response_mask"],
+        "config": ConfigView(vars(config)),
+        "index": data["index"],
+    }
+    if "reward_baselines" in data:
+        adv_kwargs["reward_baselines"] = data["reward_baselines"]
+    return adv_estimator_fn(**adv_kwargs)
+
+
+@register_adv_est("gae", reads=("gamma", "lam"))
 @torch.no_grad()
 @checks_once
 def compute_gae_advantage_return(
@@ -96,7 +147,7 @@ def _group_mean(n: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.where(n == 1, torch.zeros_like(total), total / n)
 
 
-@register_adv_est("grpo", "grpo_vectorized")  # verl's two names for one formula
+@register_adv_est("grpo", reads=("norm_adv_by_std_in_grpo",))
 @torch.no_grad()
 @checks_once
 def compute_grpo_outcome_advantage(
@@ -133,7 +184,6 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("rloo")
 @torch.no_grad()
 @checks_once
 def compute_rloo_outcome_advantage(
@@ -161,7 +211,6 @@ def compute_rloo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("reinforce_plus_plus")
 @torch.no_grad()
 @checks_once
 def compute_reinforce_plus_plus_outcome_advantage(
@@ -190,3 +239,30 @@ def compute_reinforce_plus_plus_outcome_advantage(
         returns[:, t] = g * m[:, t]
         running = g * m[:, t] + (1 - m[:, t]) * running
     return masked_whiten(returns, m) * m, returns
+
+
+# ---- the registry's other entries: verl's call (token_level_rewards, response_mask, config, index) ----
+@register_adv_est("grpo_vectorized", reads=())
+def grpo_vectorized_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: ConfigView, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_grpo_outcome_advantage` under verl's second name, always divided by the
+    std: verl's generic call never passes ``norm_adv_by_std_in_grpo`` to it. Tensors (batch, T)."""
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@register_adv_est("rloo", reads=())
+def rloo_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: ConfigView, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_rloo_outcome_advantage` as verl calls it; tensors (batch, T)."""
+    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@register_adv_est("reinforce_plus_plus", reads=("gamma",))
+def reinforce_plus_plus_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: ConfigView, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_reinforce_plus_plus_outcome_advantage` as verl calls it, ``gamma`` read from
+    ``config`` (``index`` unread); tensors (batch, T)."""
+    return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma=config.gamma)

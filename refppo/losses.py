@@ -12,7 +12,7 @@ from refppo.functional import masked_mean, masked_sum
 from refppo.guards.checks import check_choice, check_ndim, check_number, check_values, checks_once
 from refppo.guards.inputs import check_loss_inputs, check_pair_inputs, clip_bounds
 from refppo.kl import kl_penalty
-from refppo.registry import Registry
+from refppo.registry import ConfigView, Registry
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -110,16 +110,54 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     return (micro_mask.sum(dim=-1) > 0).sum().to(dtype) / (mini_mask.sum(dim=-1) > 0).sum()
 
 
-POLICY_LOSSES = Registry("policy loss")
-# verl's other policy losses (GSPO, SAPO, CISPO, GMPO, GPG) are in refppo.algorithms.verl_losses.
-# A policy loss receives, by parameter name, old_log_prob, log_prob, advantages, response_mask,
-# rollout_is_weights (when the actor computes them) and any field of ``actor``; it returns
-# (loss, {metric name: detached scalar}), as verl 0.9's do.
+# verl 0.9's policy-loss signature: every registered loss is called with these keywords and returns
+# (loss, {metric name: scalar}). verl's other losses (GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov, KL-Cov,
+# DPPO, DRO) are in refppo.algorithms.
+POLICY_LOSS_INPUTS = (
+    "old_log_prob",
+    "log_prob",
+    "advantages",
+    "response_mask",
+    "loss_agg_mode",
+    "config",
+    "rollout_is_weights",
+)
+POLICY_LOSSES = Registry("policy loss", inputs=POLICY_LOSS_INPUTS)
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss_fn = POLICY_LOSSES.get
+# The settings verl keeps under actor.policy_loss (refppo keeps them beside the others, under actor).
+POLICY_LOSS_SETTINGS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+CLIP_SETTINGS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
 
 
-@register_policy_loss("clip")
+def policy_loss_config(actor, loss_scale_factor: float | None) -> ConfigView:
+    """The ``config`` a registered policy loss receives, shaped as verl 0.9's ``ActorConfig``.
+
+    ``config.clip_ratio`` and every other ``actor.*`` setting by its name; ``config.policy_loss``
+    holds ``loss_mode`` (``actor.policy_loss``) and the settings verl keeps there
+    (``config.policy_loss.clip_cov_ratio``, ...); ``config.global_batch_info`` holds the keywords a
+    loss passes on to :func:`agg_loss`: ``loss_scale_factor`` alone, since refppo weighs its
+    micro-batches and processes itself (:func:`agg_loss_weight`).
+
+    Args:
+        actor: the actor's settings (:class:`refppo.settings.config.ActorConfig` or any dataclass
+            with the fields the loss reads).
+        loss_scale_factor: seq-mean-token-sum-norm's divisor, as :func:`agg_loss` takes it.
+
+    Returns:
+        A :class:`ConfigView`.
+    """
+    if loss_scale_factor is not None:
+        check_number("loss_scale_factor", loss_scale_factor, "(0, inf)")
+    config = ConfigView(vars(actor))
+    policy_loss = {"loss_mode": actor.policy_loss}
+    for name in POLICY_LOSS_SETTINGS:
+        policy_loss[name] = config.get(name)
+    config["policy_loss"] = ConfigView(policy_loss)
+    config["global_batch_info"] = {"loss_scale_factor": loss_scale_factor}
+    return config
+
+
 @checks_once
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
@@ -194,7 +232,33 @@ def compute_policy_loss(
     return pg_loss, {k: v.detach() for k, v in metrics.items()}
 
 
-@register_policy_loss("penalty")
+@register_policy_loss("clip", reads=CLIP_SETTINGS + ("clip_ratio_c",))
+def clip_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss` with verl's policy-loss signature (verl's ``vanilla``): the
+    clip's settings read from ``config`` (:func:`policy_loss_config`); tensors (batch, T)."""
+    return compute_policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )
+
+
 @checks_once
 def compute_ppo_penalty_loss(
     old_log_prob: torch.Tensor,
@@ -204,6 +268,7 @@ def compute_ppo_penalty_loss(
     penalty_kl_coef: float,
     penalty_kl_type: str = "kl",
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-penalty loss: -ratio * A + beta * KL(pi_old || pi_theta), per token (ch 2).
@@ -220,6 +285,8 @@ def compute_ppo_penalty_loss(
         penalty_kl_coef: beta >= 0.
         penalty_kl_type: KL estimator name (see refppo.kl).
         loss_agg_mode, loss_scale_factor: see agg_loss.
+        rollout_is_weights: optional (batch, T) per-token importance weights >= 0 (rollout
+            correction), multiplied into the per-token loss, penalty included; no gradient.
 
     Returns:
         loss: scalar.
@@ -227,11 +294,39 @@ def compute_ppo_penalty_loss(
         beta controller.
     """
     check_number("penalty_kl_coef", penalty_kl_coef, "[0, inf)")
-    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask)
+    check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     kl = kl_penalty(old_log_prob.detach(), log_prob, penalty_kl_type)
-    loss = _agg_loss(-advantages * ratio + penalty_kl_coef * kl, response_mask, loss_agg_mode, loss_scale_factor)
+    losses = -advantages * ratio + penalty_kl_coef * kl
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights.detach()
+    loss = _agg_loss(losses, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, {"actor/ppo_kl": masked_mean(kl, response_mask).detach()}
+
+
+@register_policy_loss("penalty", reads=("penalty_kl_coef", "penalty_kl_type"))
+def penalty_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_ppo_penalty_loss` with verl's policy-loss signature: beta and the KL
+    estimator read from ``config`` (:func:`policy_loss_config`); tensors (batch, T)."""
+    return compute_ppo_penalty_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        penalty_kl_coef=config.penalty_kl_coef,
+        penalty_kl_type=config.penalty_kl_type,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )
 
 
 @checks_once

@@ -1,47 +1,60 @@
 """Registries by name for the pieces a researcher swaps: advantage estimators, policy losses and
 KL estimators.
 
-A registered function states the inputs it needs by its parameter names. The caller offers every
-input it has, by name, and each function receives exactly those it declares: adding an estimator
-or a loss is one decorated function, and what it needs (a critic's ``values``, a group ``index``,
-``rollout_is_weights``) is read from its signature, never written down a second time.
+A registry fixes the keywords its callers pass (``inputs``), as verl 0.9's do: every policy loss is
+called as ``fn(old_log_prob=, log_prob=, advantages=, response_mask=, loss_agg_mode=, config=,
+rollout_is_weights=)``, so a loss written for verl's registry runs here unchanged. A function also
+says which settings it reads from its ``config`` (``reads``), so that a setting no chosen function
+reads is refused rather than ignored.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
-from types import MappingProxyType
-from typing import Any
 
 from refppo.guards.checks import check_choice
 
 
-@functools.cache
-def _parameters(fn: Callable) -> MappingProxyType:
-    # Read once per function: call() runs for every micro-batch, and a signature costs ~40 us.
-    return inspect.signature(fn).parameters
-
-
 class Registry:
-    """Functions of one kind (e.g. "advantage estimator") by name."""
+    """Functions of one kind (e.g. "policy loss") by name.
 
-    def __init__(self, kind: str):
+    Args:
+        kind: what the functions are, as errors name them.
+        inputs: the keywords every caller passes; a registered function must accept each of them.
+    """
+
+    def __init__(self, kind: str, inputs: tuple[str, ...] = ()):
         self.kind = kind
+        self.inputs = inputs
         self._fns: dict[str, Callable] = {}
+        self._reads: dict[str, tuple[str, ...] | None] = {}
 
-    def register(self, *names: str) -> Callable[[Callable], Callable]:
-        """Decorator: register a function under one or more names (aliases)."""
+    def register(self, *names: str, reads: tuple[str, ...] | None = None) -> Callable[[Callable], Callable]:
+        """Decorator: register a function under one or more names (aliases).
+
+        Args:
+            names: the names it is chosen by in the config.
+            reads: the settings it reads from its ``config``, by their names in the config's section
+                (e.g. ``("clip_ratio", "clip_ratio_low")``); None (a function that does not say)
+                lets every such setting through.
+        """
 
         def decorator(fn: Callable) -> Callable:
             for name in names:
                 if self._fns.get(name, fn) is not fn:
                     raise ValueError(f"{self.kind} {name!r} is already registered")
-            for param in _parameters(fn).values():
-                if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                    raise ValueError(f"{self.kind} {fn.__name__}: name every input it takes (no *args or **kwargs)")
-            self._fns.update(dict.fromkeys(names, fn))
+            params = inspect.signature(fn).parameters
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            missing = [name for name in self.inputs if name not in params and not takes_any]
+            if missing:
+                raise ValueError(
+                    f"{self.kind} {fn.__name__} must accept {', '.join(self.inputs)} by keyword; it lacks "
+                    f"{', '.join(missing)}"
+                )
+            for name in names:
+                self._fns[name] = fn
+                self._reads[name] = reads
             return fn
 
         return decorator
@@ -55,29 +68,23 @@ class Registry:
         check_choice(self.kind, name, self._fns)
         return self._fns[name]
 
-    def takes(self, name: str, input_name: str) -> bool:
-        """Whether the function registered as ``name`` declares the input ``input_name``."""
-        return input_name in _parameters(self.get(name))
+    def reads(self, name: str, setting: str) -> bool:
+        """Whether the function registered as ``name`` reads ``setting`` (True when it did not say)."""
+        self.get(name)
+        declared = self._reads[name]
+        return declared is None or setting in declared
 
-    def call(self, name: str, **offered: Any) -> Any:
-        """Call the function registered as ``name`` with the offered inputs it declares
-        (:func:`call_declared`)."""
-        return call_declared(self.get(name), f"{self.kind} {name!r}", offered)
+    def readers(self, setting: str) -> tuple[str, ...]:
+        """The names whose functions declare that they read ``setting``."""
+        return tuple(name for name, declared in self._reads.items() if declared is not None and setting in declared)
 
 
-def call_declared(fn: Callable, what: str, offered: dict[str, Any]) -> Any:
-    """Call ``fn`` with the inputs of ``offered`` its parameters name.
+class ConfigView(dict):
+    """Settings read both as ``config.name`` and ``config["name"]`` / ``config.get(name, default)``,
+    as verl reads its configs; what a registered function receives as ``config``."""
 
-    Args:
-        fn: a function whose parameters are all named (no ``*args`` or ``**kwargs``).
-        what: ``fn`` as an error names it, e.g. "advantage estimator 'gae'".
-        offered: every input the caller has, by name.
-
-    Raises:
-        ValueError: naming the inputs ``fn`` requires that were not offered.
-    """
-    params = _parameters(fn)
-    missing = [p for p, v in params.items() if v.default is inspect.Parameter.empty and p not in offered]
-    if missing:
-        raise ValueError(f"{what} needs {', '.join(missing)}, which the caller does not have")
-    return fn(**{p: offered[p] for p in params if p in offered})
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the config has no setting {name!r}") from None

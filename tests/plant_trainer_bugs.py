@@ -158,9 +158,9 @@ BUGS = [
     ),
     (
         "advantages.py",
-        "needs_critic reads the wrong input",
-        'return ADV_ESTIMATORS.takes(adv_estimator, "values")',
-        'return ADV_ESTIMATORS.takes(adv_estimator, "response_mask")',
+        "needs_critic gives GRPO a critic too",
+        'return adv_estimator == "gae"',
+        'return adv_estimator in ("gae", "grpo")',
     ),
 ]
 BUGS += [  # the plain formulas

@@ -62,7 +62,7 @@ def test_bad_values():
         (["actor.ppo_mini_batch_size=24"], "must divide data.train_batch_size=64"),
         (["actor.ppo_micro_batch_size_per_gpu=5"], "must divide the mini-batch of 16 rows"),
         (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c=1.0 is outside its valid range \\(1, inf\\) \\(or null\\)"),
-        (["algorithm.adv_estimator=grpo"], "set rollout.n >= 2"),
+        (["algorithm.adv_estimator=grpo_passk"], "set rollout.n >= 2"),
         (["data.train_batch_size=1", "actor.ppo_mini_batch_size=1"], "a batch of one response .* use >= 2 responses"),
         (["algorithm.adv_estimator=vtrace"], "vtrace"),
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean' is not one of token-mean"),

@@ -19,6 +19,23 @@ from refppo import advantages, functional, kl, losses, rewards
 from refppo.algorithms import divergence_losses, overlong, rollout_correction, verl_advantages, verl_losses
 from refppo.guards import inputs
 from refppo.guards.checks import NonFiniteError
+from refppo.registry import ConfigView
+from refppo.settings.config import Config, apply_overrides
+
+POLICY_LOSS_NAMES = (
+    "clip",
+    "penalty",
+    "cispo",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+    "gspo",
+    "sapo",
+    "geo_mean",
+)
 
 MODULES = (
     functional,
@@ -61,6 +78,25 @@ def _lp(seed):
 
 def _pair(**extra):
     return dict(old_log_prob=_lp(1), log_prob=_lp(2), advantages=_x(3), response_mask=_mask(), **extra)
+
+
+def _loss_config():
+    return losses.policy_loss_config(apply_overrides(Config(), ["actor.dro_beta=0.5"]).actor, loss_scale_factor=8.0)
+
+
+def _verl_pair(loss_agg_mode="token-mean"):
+    """verl's policy-loss keywords."""
+    return _pair(loss_agg_mode=loss_agg_mode, config=_loss_config(), rollout_is_weights=_x(4).abs())
+
+
+def _verl_pair_by_sequence():
+    return _verl_pair("seq-mean-token-mean")
+
+
+def _verl_estimator(**extra):
+    """verl's generic estimator keywords."""
+    config = ConfigView(vars(Config().algorithm))
+    return dict(token_level_rewards=_x(1), response_mask=_mask(), config=config, index=["a", "a", "b"], **extra)
 
 
 def _controller(cls, *args):
@@ -128,6 +164,30 @@ GOOD = {
         token_level_rewards=_x(1), reward_baselines=torch.randn(B), response_mask=_mask()
     ),
     "needs_critic": lambda: dict(adv_estimator="gae"),
+    "compute_advantage": lambda: dict(
+        data=dict(token_level_rewards=_x(1), response_mask=_mask(), index=["a", "a", "b"]),
+        adv_estimator="grpo",
+        adv_estimator_fn=advantages.get_adv_estimator_fn("grpo"),
+        config=Config().algorithm,
+    ),
+    **{
+        name: _verl_estimator
+        for name in (
+            "grpo_vectorized_advantage",
+            "rloo_advantage",
+            "reinforce_plus_plus_advantage",
+            "reinforce_plus_plus_baseline_advantage",
+            "gpg_advantage",
+            "opo_advantage",
+        )
+    },
+    "grpo_passk_advantage": lambda: _verl_estimator() | {"index": ["a", "a", "a"]},
+    "remax_advantage": lambda: _verl_estimator(reward_baselines=torch.randn(B)),
+    "policy_loss_config": lambda: dict(actor=Config().actor, loss_scale_factor=8.0),
+    **{
+        f"{name}_loss": _verl_pair if name not in ("gspo", "sapo", "geo_mean") else _verl_pair_by_sequence
+        for name in POLICY_LOSS_NAMES
+    },
     "agg_loss": lambda: dict(
         loss_mat=_x(), loss_mask=_mask(), loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=8.0
     ),
@@ -317,6 +377,17 @@ VALID = {
         )
     ),
     ("compute_value_loss", "cliprange_value", "None"),
+    # optional by verl's signature
+    *((f"{name}_loss", "rollout_is_weights", "None") for name in POLICY_LOSS_NAMES),
+    ("policy_loss_config", "loss_scale_factor", "None"),
+    # index is passed to every estimator; these two do not read it
+    *(
+        (f, "index", label)
+        for f in ("reinforce_plus_plus_advantage", "remax_advantage")
+        for label in ("shape", "unhashable")
+    ),
+    # verl's gpg reads neither the old policy nor a ratio
+    *(("gpg_loss", "old_log_prob", label) for label in ("meta", "shape", "nan")),
     # computing on a meta tensor alone is shape inference: nothing reads a value
     ("entropy_from_logits", "logits", "meta"),
     # the raw estimators compute what they are given: kl_penalty, which dispatches to them, checks values

@@ -16,8 +16,6 @@ from _trainers import MODES, make_trainer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refppo.losses import POLICY_LOSSES
-
 AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PROMPT_LEN = 16  # data.max_prompt_length's default
 # The built-in names, not the registries' (other tests register their own there).
@@ -64,8 +62,7 @@ def configs(draw) -> tuple[list[str], int]:
     mini = draw(st.sampled_from([d for d in (1, 2, 4) if prompts % d == 0]))
     critic_mini = draw(st.sampled_from([d for d in (1, 2, 4) if prompts % d == 0]))
     loss = draw(st.sampled_from(LOSSES))
-    weighted = POLICY_LOSSES.takes(loss, "rollout_is_weights")  # what rollout_correction needs
-    mode = draw(st.sampled_from(["decoupled", "bypass", *(["token_is", "sequence_is"] if weighted else [])]))
+    mode = draw(st.sampled_from(["decoupled", "bypass", "token_is", "sequence_is"]))  # every loss takes weights
     warmup = draw(st.sampled_from([0, 1])) if estimator == "gae" else 0  # a warm-up is for a critic
     overrides = [
         f"algorithm.adv_estimator={estimator}",

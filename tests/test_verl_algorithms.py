@@ -253,16 +253,12 @@ def test_grpo_passk_teaches_nothing_where_the_best_is_tied():
     assert adv[:3].abs().max() == 0 and adv[3, 0] > 0 and adv[4:].abs().max() == 0
 
 
-def test_grpo_vectorized_is_grpo():
-    assert ADV_ESTIMATORS.get("grpo_vectorized") is compute_grpo_outcome_advantage
-
-
 def test_the_estimators_are_registered_with_verls_names():
     for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "remax", "opo", "grpo_passk"):
         assert name in ADV_ESTIMATORS.names()
-    assert not needs_critic("remax") and not ADV_ESTIMATORS.takes("remax", "index"), "ReMax needs neither"
-    assert ADV_ESTIMATORS.takes("reinforce_plus_plus", "gamma")
-    assert ADV_ESTIMATORS.takes("gpg", "index") and ADV_ESTIMATORS.takes("reinforce_plus_plus_baseline", "index")
+    assert not needs_critic("remax"), "ReMax's baseline is a greedy response, not a critic"
+    assert ADV_ESTIMATORS.readers("gamma") == ("gae", "reinforce_plus_plus")
+    assert ADV_ESTIMATORS.readers("norm_adv_by_std_in_grpo") == ("grpo", "grpo_passk")
 
 
 # ---- losses ----------------------------------------------------------------------------
@@ -440,7 +436,8 @@ def test_gpg_loss_is_plain_policy_gradient(mode):
 def test_the_losses_are_registered_with_verls_names():
     for name in ("gspo", "sapo", "cispo", "geo_mean", "gpg", "clip_cov", "kl_cov"):
         assert name in POLICY_LOSSES.names()
-    assert not POLICY_LOSSES.takes("gpg", "old_log_prob"), "no ratio: the old policy is not read"
+    assert POLICY_LOSSES.readers("tau_pos") == ("sapo",)
+    assert not POLICY_LOSSES.reads("gpg", "clip_ratio"), "no ratio: no clip"
 
 
 def _covariances(old, new, adv, mask):

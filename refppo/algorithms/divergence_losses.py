@@ -13,7 +13,8 @@ import torch
 from refppo.functional import masked_mean
 from refppo.guards.checks import check_number, checks_once
 from refppo.guards.inputs import check_pair_inputs, clip_bounds
-from refppo.losses import agg_loss, register_policy_loss
+from refppo.losses import CLIP_SETTINGS, agg_loss, register_policy_loss
+from refppo.registry import ConfigView
 
 
 def _dppo(old_log_prob, log_prob, advantages, response_mask, kept, clip_ratio_c, rollout_is_weights, agg):
@@ -37,7 +38,6 @@ def _dppo(old_log_prob, log_prob, advantages, response_mask, kept, clip_ratio_c,
     return agg_loss(pg_losses, response_mask, *agg), metrics
 
 
-@register_policy_loss("dppo_tv")
 @checks_once
 def compute_policy_loss_dppo_tv(
     old_log_prob: torch.Tensor,
@@ -78,7 +78,6 @@ def compute_policy_loss_dppo_tv(
     return _dppo(old_log_prob, log_prob, advantages, response_mask, kept, clip_ratio_c, rollout_is_weights, agg)
 
 
-@register_policy_loss("dppo_kl")
 @checks_once
 def compute_policy_loss_dppo_kl(
     old_log_prob: torch.Tensor,
@@ -114,7 +113,6 @@ def compute_policy_loss_dppo_kl(
     return _dppo(old_log_prob, log_prob, advantages, response_mask, kept, clip_ratio_c, rollout_is_weights, agg)
 
 
-@register_policy_loss("dro")
 @checks_once
 def compute_policy_loss_dro(
     old_log_prob: torch.Tensor,
@@ -146,3 +144,81 @@ def compute_policy_loss_dro(
         pg_losses = pg_losses * rollout_is_weights.detach()
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
     return pg_loss, {"actor/ppo_kl": masked_mean(-log_ratio, response_mask).detach()}
+
+
+# ---- the registry's entries: verl's signature, the settings read from ``config`` ----
+
+
+@register_policy_loss("dppo_tv", reads=CLIP_SETTINGS + ("clip_ratio_c",))
+def dppo_tv_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_dppo_tv` with verl's policy-loss signature; tensors (batch, T)."""
+    return compute_policy_loss_dppo_tv(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )
+
+
+@register_policy_loss("dppo_kl", reads=CLIP_SETTINGS + ("clip_ratio_c",))
+def dppo_kl_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_dppo_kl` with verl's policy-loss signature; tensors (batch, T)."""
+    return compute_policy_loss_dppo_kl(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )
+
+
+@register_policy_loss("dro", reads=("dro_beta",))
+def dro_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_dro` with verl's policy-loss signature; tensors (batch, T)."""
+    return compute_policy_loss_dro(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        dro_beta=config.policy_loss.dro_beta,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )

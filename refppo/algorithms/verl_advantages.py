@@ -24,9 +24,9 @@ from refppo.guards.checks import (
     checks_once,
 )
 from refppo.guards.inputs import group_ids, work_dtype
+from refppo.registry import ConfigView
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
 @torch.no_grad()
 @checks_once
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
@@ -51,7 +51,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("gpg")
 @torch.no_grad()
 @checks_once
 def compute_gpg_outcome_advantage(
@@ -77,7 +76,6 @@ def compute_gpg_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("remax")
 @torch.no_grad()
 @checks_once
 def compute_remax_outcome_advantage(
@@ -125,7 +123,6 @@ def _group_reduce(values: torch.Tensor, index, how: str) -> torch.Tensor:
     return out.scatter_reduce_(0, ids, values, how)[ids]
 
 
-@register_adv_est("opo")
 @torch.no_grad()
 @checks_once
 def compute_opo_outcome_advantage(
@@ -152,7 +149,6 @@ def compute_opo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("grpo_passk")
 @torch.no_grad()
 @checks_once
 def compute_grpo_passk_outcome_advantage(
@@ -191,3 +187,53 @@ def compute_grpo_passk_outcome_advantage(
         gap = gap / (torch.sqrt(sq_dev / (n - 1)) + epsilon)
     adv = torch.where(is_best, gap, torch.zeros_like(gap)).unsqueeze(-1) * response_mask
     return adv, adv
+
+
+# ---- the registry's entries: verl's call (token_level_rewards, response_mask, config, index) ----
+@register_adv_est("reinforce_plus_plus_baseline", reads=())
+def reinforce_plus_plus_baseline_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: ConfigView, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_reinforce_plus_plus_baseline_outcome_advantage` as verl calls it; tensors (batch, T)."""
+    return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@register_adv_est("gpg", reads=())
+def gpg_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: ConfigView, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_gpg_outcome_advantage` as verl calls it; tensors (batch, T)."""
+    return compute_gpg_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@register_adv_est("remax", reads=())
+def remax_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: ConfigView,
+    index: Sequence | torch.Tensor,
+    reward_baselines: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_remax_outcome_advantage` as verl calls it (``index`` unread); tensors (batch, T),
+    ``reward_baselines`` (batch,)."""
+    return compute_remax_outcome_advantage(token_level_rewards, reward_baselines, response_mask)
+
+
+@register_adv_est("opo", reads=())
+def opo_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: ConfigView, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_opo_outcome_advantage` as verl calls it; tensors (batch, T)."""
+    return compute_opo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@register_adv_est("grpo_passk", reads=("norm_adv_by_std_in_grpo",))
+def grpo_passk_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: ConfigView, index: Sequence | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_grpo_passk_outcome_advantage` as verl calls it, ``norm_adv_by_std_in_grpo``
+    read from ``config`` as verl reads it; tensors (batch, T)."""
+    norm_adv_by_std_in_grpo = config.get("norm_adv_by_std_in_grpo", True)
+    return compute_grpo_passk_outcome_advantage(
+        token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo
+    )

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from refppo.functional import masked_mean, masked_sum
-from refppo.guards.checks import check_number, checks_once
+from refppo.guards.checks import check_choice, check_number, checks_once
 from refppo.guards.inputs import check_loss_inputs, check_pair_inputs, clip_bounds
-from refppo.losses import agg_loss, register_policy_loss
+from refppo.losses import CLIP_SETTINGS, LOSS_AGG_MODES, agg_loss, register_policy_loss
+from refppo.registry import ConfigView
 
 
 def _metrics(clipped, log_ratio, response_mask, clipped_lower=None) -> dict[str, torch.Tensor]:
@@ -29,7 +30,6 @@ def _metrics(clipped, log_ratio, response_mask, clipped_lower=None) -> dict[str,
     return {"actor/pg_clipfrac": share(clipped), "actor/ppo_kl": kl, "actor/pg_clipfrac_lower": lower}
 
 
-@register_policy_loss("gspo")
 @checks_once
 def compute_policy_loss_gspo(
     old_log_prob: torch.Tensor,
@@ -76,7 +76,6 @@ def compute_policy_loss_gspo(
     return pg_loss, _metrics(torch.gt(pg_losses2, pg_losses1), log_ratio, response_mask)
 
 
-@register_policy_loss("sapo")
 @checks_once
 def compute_policy_loss_sapo(
     old_log_prob: torch.Tensor,
@@ -118,7 +117,6 @@ def compute_policy_loss_sapo(
     return pg_loss, _metrics(torch.zeros_like(response_mask), log_ratio, response_mask)
 
 
-@register_policy_loss("geo_mean")
 @checks_once
 def compute_policy_loss_geo_mean(
     old_log_prob: torch.Tensor,
@@ -166,7 +164,6 @@ def compute_policy_loss_geo_mean(
     return pg_losses.mean(), _metrics(clipped & (advantages > 0), log_ratio, response_mask, clipped & (advantages < 0))
 
 
-@register_policy_loss("cispo")
 @checks_once
 def compute_policy_loss_cispo(
     old_log_prob: torch.Tensor,
@@ -207,7 +204,6 @@ def compute_policy_loss_cispo(
     return pg_loss, _metrics(ratio != clipped, log_ratio, response_mask)
 
 
-@register_policy_loss("gpg")
 @checks_once
 def compute_policy_loss_gpg(
     log_prob: torch.Tensor,
@@ -242,7 +238,6 @@ def _covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask:
     return a * (log_prob - masked_mean(log_prob.detach(), response_mask))
 
 
-@register_policy_loss("clip_cov")
 @checks_once
 def compute_policy_loss_clip_cov(
     old_log_prob: torch.Tensor,
@@ -306,7 +301,6 @@ def compute_policy_loss_clip_cov(
     return pg_loss, metrics
 
 
-@register_policy_loss("kl_cov")
 @checks_once
 def compute_policy_loss_kl_cov(
     old_log_prob: torch.Tensor,
@@ -351,3 +345,179 @@ def compute_policy_loss_kl_cov(
         pg_losses = pg_losses * rollout_is_weights.detach()
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
     return pg_loss, {"actor/ppo_kl": masked_mean(log_ratio.abs(), response_mask).detach()}
+
+
+# ---- the registry's entries: verl's signature, the settings read from ``config`` ----
+
+
+@register_policy_loss("gspo", reads=CLIP_SETTINGS)
+def gspo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_gspo` with verl's policy-loss signature (the mode is always
+    seq-mean-token-mean, as verl's); tensors (batch, T)."""
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)  # a name it does not use is still refused
+    return compute_policy_loss_gspo(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        rollout_is_weights=rollout_is_weights,
+    )
+
+
+@register_policy_loss("sapo", reads=("tau_pos", "tau_neg"))
+def sapo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_sapo` with verl's policy-loss signature (the mode is always
+    seq-mean-token-mean, as verl's); tensors (batch, T)."""
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)  # a name it does not use is still refused
+    return compute_policy_loss_sapo(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        tau_pos=config.tau_pos,
+        tau_neg=config.tau_neg,
+        rollout_is_weights=rollout_is_weights,
+    )
+
+
+@register_policy_loss("geo_mean", reads=CLIP_SETTINGS)
+def geo_mean_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_geo_mean` with verl's policy-loss signature (a mean over the rows, as
+    verl's); tensors (batch, T)."""
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)  # a name it does not use is still refused
+    return compute_policy_loss_geo_mean(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        rollout_is_weights=rollout_is_weights,
+    )
+
+
+@register_policy_loss("cispo", reads=CLIP_SETTINGS)
+def cispo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_cispo` with verl's policy-loss signature; tensors (batch, T)."""
+    return compute_policy_loss_cispo(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )
+
+
+@register_policy_loss("gpg", reads=())
+def gpg_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_gpg` with verl's policy-loss signature (``old_log_prob`` is not read);
+    tensors (batch, T)."""
+    return compute_policy_loss_gpg(
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )
+
+
+@register_policy_loss("clip_cov", reads=CLIP_SETTINGS + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
+def clip_cov_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_clip_cov` with verl's policy-loss signature; tensors (batch, T)."""
+    return compute_policy_loss_clip_cov(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        clip_cov_ratio=config.policy_loss.clip_cov_ratio,
+        clip_cov_lb=config.policy_loss.clip_cov_lb,
+        clip_cov_ub=config.policy_loss.clip_cov_ub,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )
+
+
+@register_policy_loss("kl_cov", reads=("kl_cov_ratio", "ppo_kl_coef"))
+def kl_cov_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: ConfigView,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_policy_loss_kl_cov` with verl's policy-loss signature; tensors (batch, T)."""
+    return compute_policy_loss_kl_cov(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        kl_cov_ratio=config.policy_loss.kl_cov_ratio,
+        ppo_kl_coef=config.policy_loss.ppo_kl_coef,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        loss_scale_factor=config.global_batch_info["loss_scale_factor"],
+    )

@@ -10,29 +10,25 @@ from refppo.settings.declare import when
 NORM = "seq-mean-token-sum-norm"
 
 
-def _takers(registry, key: str, input_name: str) -> str:
-    return f"{key}={' or '.join(n for n in registry.names() if registry.takes(n, input_name))}"
-
-
 def _critic_norm(c) -> bool:
     return needs_critic(c.algorithm.adv_estimator) and critic_setting(c, "loss_agg_mode") == NORM
 
 
 HAS_CRITIC = when(
     lambda s: needs_critic(s.config.algorithm.adv_estimator),
-    lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", "values") + " (an estimator with a critic)",
+    "algorithm.adv_estimator=gae (the estimator with a critic)",
 )
 WARMUP = when(  # 0 is accepted without a critic too: verl's GRPO scripts set it
     lambda s: HAS_CRITIC(s) is None or s.config.trainer.critic_warmup == 0,
     lambda s: HAS_CRITIC(s),
 )
 LOSS_TAKES = when(  # a setting of the policy loss: read by the losses that declare it
-    lambda s: POLICY_LOSSES.takes(s.config.actor.policy_loss, s.name),
-    lambda s: _takers(POLICY_LOSSES, "actor.policy_loss", s.name),
+    lambda s: POLICY_LOSSES.reads(s.config.actor.policy_loss, s.name),
+    lambda s: f"actor.policy_loss={' or '.join(POLICY_LOSSES.readers(s.name))}",
 )
 ESTIMATOR_TAKES = when(  # a setting of the advantage estimator: read by those that declare it
-    lambda s: ADV_ESTIMATORS.takes(s.config.algorithm.adv_estimator, s.name),
-    lambda s: _takers(ADV_ESTIMATORS, "algorithm.adv_estimator", s.name),
+    lambda s: ADV_ESTIMATORS.reads(s.config.algorithm.adv_estimator, s.name),
+    lambda s: f"algorithm.adv_estimator={' or '.join(ADV_ESTIMATORS.readers(s.name))}",
 )
 KL_IN_REWARD = when(lambda s: s.config.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward=true")
 ENDS_AT_EOS = when(lambda s: not s.config.rollout.ignore_eos, "rollout.ignore_eos=false (responses that can end)")

@@ -9,10 +9,9 @@ import math
 
 import torch
 
-from refppo.advantages import ADV_ESTIMATORS, needs_critic
+from refppo.advantages import needs_critic
 from refppo.algorithms.rollout_correction import is_bounds, rs_thresholds
 from refppo.guards.checks import in_range
-from refppo.losses import POLICY_LOSSES
 from refppo.settings.config import ActorConfig, Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.settings.declare import Declaration, Site
 from refppo.tasks import arithmetic
@@ -262,14 +261,11 @@ def _check_combinations(config: Config) -> None:
     _check_task_size(config.data)
     _check_dapo_and_validation(config)
     _check_policy_loss(config.actor)
-    d, a, r, alg, t, rm = (
-        config.data,
-        config.actor,
-        config.rollout,
-        config.algorithm,
-        config.trainer,
-        config.reward_model,
-    )
+    d = config.data
+    r = config.rollout
+    alg = config.algorithm
+    t = config.trainer
+    rm = config.reward_model
     _require(
         not needs_critic(alg.adv_estimator) or t.critic_warmup < t.total_training_steps,
         f"trainer.critic_warmup={t.critic_warmup} must be < trainer.total_training_steps={t.total_training_steps}: "
@@ -286,19 +282,14 @@ def _check_combinations(config: Config) -> None:
         "(torch.compile does not take transformers' checkpointed layers): set one of them off",
     )
     _require(
-        alg.rollout_correction.rollout_is is None or POLICY_LOSSES.takes(a.policy_loss, "rollout_is_weights"),
-        f"algorithm.rollout_correction.rollout_is={alg.rollout_correction.rollout_is} weights each token's loss, but "
-        f"actor.policy_loss={a.policy_loss} takes no weights",
-    )
-    _require(
         alg.adv_estimator not in ("gae", "reinforce_plus_plus") or d.train_batch_size * r.n >= 2,
         f"algorithm.adv_estimator={alg.adv_estimator} whitens the advantages over the batch's response tokens, and a "
         "batch of one response (data.train_batch_size x rollout.n = 1) holds one token whenever it is only EOS: "
         "use >= 2 responses",
     )
     _require(
-        not ADV_ESTIMATORS.takes(alg.adv_estimator, "index") or r.n >= 2,
-        f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt: set rollout.n >= 2",
+        alg.adv_estimator != "grpo_passk" or r.n >= 2,
+        "algorithm.adv_estimator=grpo_passk compares each group's best response with its second: set rollout.n >= 2",
     )
     _require(not (rm.enable and rm.model.path is None), "reward_model.enable=true needs reward_model.model.path")
     _require(

@@ -16,16 +16,15 @@ Where verl's documentation and code disagree, these follow its code at v0.9.0.
 
 from __future__ import annotations
 
+from refppo.losses import POLICY_LOSS_SETTINGS
+
 # verl's sections under actor_rollout_ref, which refppo spells without it
 SECTIONS = ("actor.", "rollout.", "ref.", "model.")
 FULL = "actor_rollout_ref."
 # verl's name (full path) -> refppo's, where more than the actor_rollout_ref. prefix differs
 NAMES = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
-    **{
-        f"actor_rollout_ref.actor.policy_loss.{k}": f"actor.{k}"
-        for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
-    },
+    **{f"actor_rollout_ref.actor.policy_loss.{k}": f"actor.{k}" for k in POLICY_LOSS_SETTINGS},
     "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
     "critic.optim.clip_grad": "critic.grad_clip",
     "reward.reward_model.enable": "reward_model.enable",

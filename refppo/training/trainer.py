@@ -36,15 +36,14 @@ from pathlib import Path
 import torch
 
 from refppo import accel, distributed
-from refppo.advantages import ADV_ESTIMATORS, needs_critic
+from refppo.advantages import compute_advantage, get_adv_estimator_fn, needs_critic
 from refppo.algorithms.overlong import overlong_shaped
 from refppo.algorithms.rollout_correction import compute_rollout_is_weights, compute_rollout_rs_mask
 from refppo.distributed import SINGLE, World
 from refppo.functional import masked_mean
 from refppo.guards.checks import broken_by_update, check_values, value_checks
 from refppo.kl import get_kl_controller, kl_penalty
-from refppo.losses import POLICY_LOSSES, agg_loss, compute_value_loss
-from refppo.registry import call_declared
+from refppo.losses import agg_loss, compute_value_loss, get_policy_loss_fn, policy_loss_config
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout.forward import compute_scores, response_values
 from refppo.rollout.generation import generate, row_uniforms
@@ -251,10 +250,12 @@ class PPOTrainer:
             batch["response_mask"], rejected = compute_rollout_rs_mask(old, sampled, mask, rs.rollout_rs, threshold)
             stats |= rejected
         name = c.algorithm.adv_estimator
-        estimator = self.accel.adv_estimators.get(name) or ADV_ESTIMATORS.get(name)
-        batch["advantages"], batch["returns"] = call_declared(
-            estimator, f"advantage estimator {name!r}", batch | vars(c.algorithm)
+        estimator = self.accel.adv_estimators.get(name) or get_adv_estimator_fn(name)
+        advantages, returns = compute_advantage(
+            batch, adv_estimator=name, adv_estimator_fn=estimator, config=c.algorithm
         )
+        batch["advantages"] = advantages
+        batch["returns"] = returns
         return stats
 
     # ---- phase 3: update ---------------------------------------------------------------
@@ -290,16 +291,20 @@ class PPOTrainer:
         bonus = a.entropy_coeff != 0
         log_prob, entropy = self.accel.actor.log_probs(self.actor, mb, temp, bonus or a.calculate_entropy)
         scale = self._loss_scale_factor(a.loss_scale_factor)
-        pg_loss, pg_metrics = POLICY_LOSSES.call(
-            a.policy_loss,
+        policy_loss_fn = get_policy_loss_fn(a.policy_loss)
+        pg_loss, pg_metrics = policy_loss_fn(  # verl 0.9's call
             old_log_prob=mb["old_log_probs"],
             log_prob=log_prob,
             advantages=mb["advantages"],
             response_mask=mask,
+            loss_agg_mode=a.loss_agg_mode,
+            config=policy_loss_config(a, loss_scale_factor=scale),
             rollout_is_weights=mb.get("rollout_is_weights"),
-            **(vars(a) | {"loss_scale_factor": scale}),
         )
-        loss, stats = pg_loss, {"actor/pg_loss": pg_loss.detach(), **pg_metrics}
+        stats = {"actor/pg_loss": pg_loss.detach()}
+        for name, value in pg_metrics.items():  # a loss written for verl returns floats
+            stats[name] = torch.as_tensor(value, device=mask.device)
+        loss = pg_loss
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode, scale)
             if bonus:  # else no gradient through it (verl adds 0 x entropy_loss)
@@ -349,13 +354,15 @@ class PPOTrainer:
 
     def generate_and_score(self, records: list[dict], timing: dict, first_row: int = 0):
         """This process's share of ``records``: its rollout (row ``first_row`` on of the step's
-        draws) and the scores and extra scores of :meth:`score`; for an estimator that declares
-        ``reward_baselines`` (ReMax), also the score of each prompt's greedy response."""
-        n, share = self.config.rollout.n, self.world.share(len(records))
-        mine, baseline = records[share], ADV_ESTIMATORS.takes(self.config.algorithm.adv_estimator, "reward_baselines")
+        draws) and the scores and extra scores of :meth:`score`; for ReMax, also the score of each
+        prompt's greedy response (``reward_baselines``), as verl computes it."""
+        n = self.config.rollout.n
+        share = self.world.share(len(records))
+        mine = records[share]
+        remax = self.config.algorithm.adv_estimator == "remax"
         with timer(timing, "gen", self.device):
             batch = self.generate(mine, n, first_row=first_row + share.start * n)
-            greedy = self.generate(mine, 1, do_sample=False) if baseline else None  # ReMax's baseline
+            greedy = self.generate(mine, 1, do_sample=False) if remax else None  # ReMax's baseline
         batch["index"] += share.start
         with timer(timing, "reward", self.device):
             scores, extras = self.score(batch, [r for r in mine for _ in range(n)])
