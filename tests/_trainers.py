@@ -10,6 +10,7 @@ from refppo.settings.config import Config, apply_overrides
 from refppo.settings.validate import validate
 from refppo.tasks.tokenizer import build_tokenizer
 from refppo.training.trainer import PPOTrainer
+from refppo.training.update import minibatch_updates
 
 TOK = build_tokenizer()
 # The sampler's log-probs against the trainer's (ch 6.5), as verl's rollout_correction settings.
@@ -61,13 +62,11 @@ def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_criti
 
 def same_state(source, target):
     """Set ``target``'s trained models, optimisers and learning-rate schedules to ``source``'s."""
-    pairs = [(source.actor, target.actor), (source.actor_opt, target.actor_opt)]
-    pairs.append((source.actor_sched, target.actor_sched))
-    if source.use_critic:
-        pairs += [(source.critic, target.critic), (source.critic_opt, target.critic_opt)]
-        pairs.append((source.critic_sched, target.critic_sched))
-    for a, b in pairs:
-        b.load_state_dict(a.state_dict())
+    for name, learner in source.learners.items():
+        other = target.learners[name]
+        other.model.load_state_dict(learner.model.state_dict())
+        other.optimizer.load_state_dict(learner.optimizer.state_dict())
+        other.schedule.load_state_dict(learner.schedule.state_dict())
 
 
 def assert_same_steps(plain, other, steps, rel, scale):
@@ -100,3 +99,10 @@ def assert_same_steps(plain, other, steps, rel, scale):
                     assert (h - g).norm() <= rel * g.norm(), f"step {step}: a gradient differs"
     finally:
         hook.remove()
+
+
+def minibatch_stats(trainer, batch, role):
+    """The per-mini-batch stats of ``role``'s ("actor" or "critic") updates on ``batch``, as the
+    trainer's update runs them (without the schedule's step)."""
+    loss = trainer._actor_loss if role == "actor" else trainer._critic_loss
+    return minibatch_updates(batch, trainer.learners[role], loss, trainer.shuffle_gen, trainer.world)

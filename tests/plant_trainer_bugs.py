@@ -26,31 +26,27 @@ BUGS = [
     ),
     (
         "IS weights inverted",
-        'old, rollout, level = batch["old_log_probs"], batch["rollout_log_probs"]',
-        'rollout, old, level = batch["old_log_probs"], batch["rollout_log_probs"]',
+        'old,\n                batch["rollout_log_probs"],\n                mask,\n                threshold=',
+        'batch["rollout_log_probs"],\n                old,\n                mask,\n                threshold=',
     ),
-    ("IS weights not truncated", "(old, rollout, mask, threshold, level", '(old, rollout, mask, float("inf"), level'),
-    (
-        "IS weights always per token",
-        "rollout, mask, threshold, level, normalize)",
-        'rollout, mask, threshold, "token", normalize)',
-    ),
-    ("IS weights never normalised", "mask, threshold, level, normalize)", "mask, threshold, level, False)"),
+    ("IS weights not truncated", "threshold=rc.rollout_is_threshold,", 'threshold=float("inf"),'),
+    ("IS weights always per token", "level=rc.rollout_is,", 'level="token",'),
+    ("IS weights never normalised", "batch_normalize=rc.rollout_is_batch_normalize,", "batch_normalize=False,"),
     (
         "KL in the reward: arguments swapped",
-        'beta, old, ref = self.kl_ctrl.value, batch["old_log_probs"], batch["ref_log_prob"]',
-        'beta, ref, old = self.kl_ctrl.value, batch["old_log_probs"], batch["ref_log_prob"]',
+        'old_log_probs=batch["old_log_probs"],\n            ref_log_prob=batch["ref_log_prob"],',
+        'old_log_probs=batch["ref_log_prob"],\n            ref_log_prob=batch["old_log_probs"],',
     ),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     (
         "warm-up delays the actor without a critic",
-        "warm = not self.use_critic or self.step >= self.config.trainer.critic_warmup",
-        "warm = self.step >= self.config.trainer.critic_warmup",
+        "if not self.use_critic or self.step >= self.config.trainer.critic_warmup:",
+        "if self.step >= self.config.trainer.critic_warmup:",
     ),
     (
         "lr logged before the schedule's step",
-        "        schedule.step()\n        lr = torch.tensor(schedule.get_last_lr()[0])",
-        "        lr = torch.tensor(schedule.get_last_lr()[0])\n        schedule.step()",
+        "        learner.schedule.step()\n        lr = torch.tensor(learner.schedule.get_last_lr()[0])",
+        "        lr = torch.tensor(learner.schedule.get_last_lr()[0])\n        learner.schedule.step()",
     ),
     ("a NaN entropy not checked", 'finite["entropy"] = entropy', "pass"),
     (
@@ -67,11 +63,8 @@ BUGS = [
     (
         "training/update.py",
         "loss normalised over this process's rows (a per-rank mean)",
-        "for mb in micro_batches(mini):\n                    loss, micro_stats = micro_loss(mb)\n"
-        '                    weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], agg_mode)',
-        "for mb in (mbs := micro_batches(mini)):\n                    loss, micro_stats = micro_loss(mb)\n"
-        '                    weight = agg_loss_weight(mb["response_mask"], '
-        'torch.cat([m["response_mask"] for m in mbs]), agg_mode)',
+        'weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], learner.loss_agg_mode)',
+        'weight = agg_loss_weight(mb["response_mask"], mine["response_mask"], learner.loss_agg_mode)',
     ),
     (
         "distributed/__init__.py",
@@ -98,7 +91,7 @@ BUGS = [
     ),
     (
         "temperature ignored in the update",
-        "log_probs(self.actor, mb, temp, bonus",
+        "log_probs(self.actor, mb, temperature, bonus",
         "log_probs(self.actor, mb, 1.0, bonus",
     ),
     (
@@ -119,8 +112,8 @@ BUGS = [
     ),
     (
         "value loss: returns and old values swapped",
-        'vpreds, mb["returns"], mb["values"], mb["response_mask"]',
-        'vpreds, mb["values"], mb["returns"], mb["response_mask"]',
+        'vpreds, mb["returns"], mb["values"], mask',
+        'vpreds, mb["values"], mb["returns"], mask',
     ),
     (
         "seq-mean-token-sum-norm over the batch width",
@@ -129,8 +122,8 @@ BUGS = [
     ),
     (
         "critic uses the actor's epochs",
-        "(getattr(c.actor, k) if actor else critic_setting(c, k) for k in settings)",
-        '(getattr(c.actor, k) if actor or k == "ppo_epochs" else critic_setting(c, k) for k in settings)',
+        'epochs=setting("ppo_epochs"),',
+        "epochs=c.actor.ppo_epochs,",
     ),
     (
         "settings/conditions.py",

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 from _tolerances import reordered
-from _trainers import make_trainer
+from _trainers import make_trainer, minibatch_stats
 
 from refppo.rollout.forward import ForwardPasses
 from refppo.runs.folder import RunFolder, check_resume
@@ -181,7 +181,7 @@ def test_without_a_critic_the_actor_is_updated_from_the_first_step():
     )
     m = _run(trainer, 1)
     assert "actor/pg_loss" in m[0]
-    assert trainer.actor_sched.last_epoch == 1  # the actor's optimiser stepped
+    assert trainer.learners["actor"].schedule.last_epoch == 1  # the actor's optimiser stepped
 
 
 def test_lr_metrics_are_the_rate_after_the_schedules_step_and_warm_up_starts_at_zero():
@@ -259,10 +259,10 @@ def test_resume_gives_the_same_metrics(tmp_path):
 def test_nonfinite_gradient_skips_the_step():
     trainer = make_trainer()
     batch = {"response_mask": torch.ones(16, 3)}
-    param = trainer.actor_params[0]
+    param = trainer.learners["actor"].params[0]
     before = param.detach().clone()
     trainer._actor_loss = lambda mb: ((param.sum() * float("nan")), {})
-    stats = trainer._minibatch_updates(batch, "actor")
+    stats = minibatch_stats(trainer, batch, "actor")
     assert torch.equal(param.detach(), before)
     assert all(s["actor/skipped_nonfinite_grad"] == 1.0 for s in stats)
 
@@ -277,10 +277,10 @@ def test_a_run_whose_updates_are_all_skipped_stops_with_an_error():
     with pytest.raises(FloatingPointError, match=f"the last {limit} critic updates were all skipped"):
         _run(trainer, limit)  # 2 critic updates a step
     assert trainer.step == limit // 2 - 1
-    skipped = {}
+    learner = trainer.learners["actor"]
     for finite in [False] * (limit - 1) + [True] + [False] * (limit - 1):  # a good update resets the count
-        count_skips(skipped, "actor", finite)
-    assert skipped["actor"] == limit - 1
+        count_skips(learner, finite)
+    assert learner.skipped_in_a_row == limit - 1
 
 
 SPLITS = {
@@ -308,7 +308,7 @@ def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split
     split.sampler.next_batch()
     for trainer in (whole, split):
         trainer.shuffle_gen.manual_seed(0)
-        mini = trainer._minibatch_updates({k: v.clone() for k, v in batch.items()}, "actor")[0]
+        mini = minibatch_stats(trainer, {k: v.clone() for k, v in batch.items()}, "actor")[0]
         trainer.first = {k: float(v) for k, v in mini.items() if k != "actor/grad_norm"}
     assert set(whole.first) >= {
         "actor/pg_loss",
@@ -344,10 +344,10 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     trainer = make_trainer(["trainer.critic_warmup=0"])
     with torch.no_grad():
         trainer.critic.score.bias.fill_(float("nan"))
-    before = [p.detach().clone() for p in trainer.actor_params]
+    before = [p.detach().clone() for p in trainer.learners["actor"].params]
     with pytest.raises(ValueError, match="values contains NaN or inf"):
         trainer.train_step()  # GAE's own input check
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor_params))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.learners["actor"].params))
 
     def nan_log_probs(self, model, batch, temperature=1.0, micro_batch_size=None, calculate_entropy=False):
         nan = torch.full_like(batch["rollout_log_probs"], float("nan"))

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from _tolerances import reordered
-from _trainers import MODES, TOK, first_char_is_seven, make_trainer
+from _trainers import MODES, TOK, first_char_is_seven, make_trainer, minibatch_stats
 
 import refppo.training.trainer
 from refppo.rollout.forward import compute_log_probs, compute_values
@@ -89,22 +89,21 @@ def plain_gae(rewards, values, mask, gamma, lam):
 
 
 def capture(trainer):
-    """Record every evaluated batch the trainer makes, and run ``checks["actor_opt"]()`` (or
-    ``"critic_opt"``) at every step of that optimiser, before it is applied (the gradients are
+    """Record every evaluated batch the trainer makes, and run ``checks["actor"]()`` (or
+    ``"critic"``) at every step of that model's optimiser, before it is applied (the gradients are
     then final)."""
     batches, checks = [], {}
-    make_experience = trainer.make_experience
+    evaluate = trainer.evaluate
 
-    def recording(records, timing):
-        out = make_experience(records, timing)
-        batches.append(out[0])
-        return out
+    def recording(batch, scores, extras, timing):
+        stats = evaluate(batch, scores, extras, timing)
+        batches.append(batch)  # evaluated in place
+        return stats
 
-    trainer.make_experience = recording
-    for name in ("actor_opt", "critic_opt"):
-        if hasattr(trainer, name):
-            hook = lambda opt, args, kwargs, _name=name: checks[_name]() if _name in checks else None
-            getattr(trainer, name).register_step_pre_hook(hook)
+    trainer.evaluate = recording
+    for name, learner in trainer.learners.items():
+        hook = lambda opt, args, kwargs, _name=name: checks[_name]() if _name in checks else None
+        learner.optimizer.register_step_pre_hook(hook)
     return batches, checks
 
 
@@ -196,7 +195,7 @@ def check_every_update(overrides, steps=2, prepare=None, **kw):
     if rc.bypass_mode or rc.rollout_is is not None:
         perturb_rollout_log_probs(trainer)
     batches, checks = capture(trainer)
-    seen = {"actor_opt": 0, "critic_opt": 0}
+    seen = {"actor": 0, "critic": 0}
     nonzero = dict(seen)
 
     def check(name, params, loss_fn):
@@ -207,17 +206,17 @@ def check_every_update(overrides, steps=2, prepare=None, **kw):
 
         checks[name] = run
 
-    check("actor_opt", trainer.actor_params, expected_actor_loss)
+    check("actor", trainer.learners["actor"].params, expected_actor_loss)
     if trainer.use_critic:
-        check("critic_opt", trainer.critic_params, expected_critic_loss)
+        check("critic", trainer.learners["critic"].params, expected_critic_loss)
     trainer.every_update_stats = []
     for _ in range(steps):
         trainer.train_step()
         trainer.every_update_stats += trainer.last_update_stats
     epochs = trainer.config.actor.ppo_epochs
-    assert seen["actor_opt"] == steps * epochs
-    assert seen["critic_opt"] == (steps * epochs if trainer.use_critic else 0)
-    assert nonzero["actor_opt"] > 0 and (nonzero["critic_opt"] > 0 or not trainer.use_critic), "a vacuous check"
+    assert seen["actor"] == steps * epochs
+    assert seen["critic"] == (steps * epochs if trainer.use_critic else 0)
+    assert nonzero["actor"] > 0 and (nonzero["critic"] > 0 or not trainer.use_critic), "a vacuous check"
     trainer.evaluated_batches = batches
     return trainer
 
@@ -353,7 +352,7 @@ def test_terms_change_the_gradient_by_exactly_their_own_term():
     base = make_trainer([*BATCH, "actor.use_kl_loss=true", "actor.kl_loss_type=k2", "actor.kl_loss_coef=0.0"])
     base.train_step()  # move the actor away from the reference
     batch, *_ = base.make_experience(base.sampler.next_batch(), {})
-    params = base.actor_params
+    params = base.learners["actor"].params
 
     def actor_grad(**settings):
         for k, v in settings.items():
@@ -554,7 +553,7 @@ def test_vpred_mean_is_the_critic_s_mean_prediction_in_its_update():
     batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
     batch["response_mask"] = batch["response_mask"].clone()
     batch["response_mask"][:3, 1:] = 0  # ragged, so the micro-batches hold different token counts
-    first = trainer._minibatch_updates(batch, "critic")[0]
+    first = minibatch_stats(trainer, batch, "critic")[0]
     mask = batch["response_mask"].bool()
     assert first["critic/vpred_mean"].item() == pytest.approx(batch["values"].double()[mask].mean().item(), rel=1e-5)
 
@@ -626,12 +625,12 @@ def test_kl_in_the_reward_reaches_the_critic_target_and_the_advantages_only():
 
 def test_critic_warmup_updates_only_the_critic_and_then_both():
     trainer = make_trainer([*BATCH, "trainer.critic_warmup=2"])
-    actor0 = [p.detach().clone() for p in trainer.actor_params]
-    critic0 = [p.detach().clone() for p in trainer.critic_params]
+    actor0 = [p.detach().clone() for p in trainer.learners["actor"].params]
+    critic0 = [p.detach().clone() for p in trainer.learners["critic"].params]
     for step in range(3):
         trainer.train_step()
-        actor_moved = any(not torch.equal(a, p) for a, p in zip(actor0, trainer.actor_params))
-        critic_moved = any(not torch.equal(c, p) for c, p in zip(critic0, trainer.critic_params))
+        actor_moved = any(not torch.equal(a, p) for a, p in zip(actor0, trainer.learners["actor"].params))
+        critic_moved = any(not torch.equal(c, p) for c, p in zip(critic0, trainer.learners["critic"].params))
         assert critic_moved and actor_moved == (step >= 2), step
 
 

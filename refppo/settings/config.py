@@ -354,7 +354,7 @@ class RolloutCorrectionConfig:
 @dataclass
 class FilterGroupsConfig:
     """``algorithm.filter_groups.*`` (verl's): DAPO's dynamic sampling
-    (:func:`refppo.training.dynamic_sampling.fill_batch`)."""
+    (:class:`refppo.training.dynamic_sampling.DynamicSampling`)."""
 
     enable: bool = setting(False)
     # the score the group must vary in: acc, score and seq_reward are each response's score here;

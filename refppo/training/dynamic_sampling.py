@@ -68,44 +68,76 @@ def join_batches(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dic
     return whole
 
 
-def fill_batch(trainer, records: list[dict], timing: dict):
-    """Phase 1 and the scores with dynamic sampling: generate and score for ``records``, keep the
-    groups whose scores differ, and repeat with the sampler's next records until
-    ``len(records)`` groups are kept.
+class DynamicSampling:
+    """The groups a step keeps under dynamic sampling, over its generation batches: :meth:`add`
+    keeps a batch's groups whose scores differ, until :attr:`full`; :meth:`result` joins them.
 
     Args:
-        trainer: a :class:`refppo.training.trainer.PPOTrainer` on one process.
-        records: the step's first prompt records (``data.train_batch_size`` of them).
-        timing: its ``timing_s/gen`` and ``timing_s/reward`` sum over the generation batches.
-
-    Returns:
-        (batch, scores, extras, stats): as :meth:`~refppo.training.trainer.PPOTrainer.generate_and_score`,
-        len(records) x rollout.n rows whose ``index`` numbers the kept groups 0, 1, ...; stats
-        ``train/num_gen_batches`` and ``training/filter_groups/evicted_samples`` (groups dropped
-        for scores alike, verl's name).
-
-    Raises:
-        RuntimeError: ``max_num_gen_batches`` batches did not give enough groups that differ.
+        prompts: the groups the step needs (``data.train_batch_size``).
+        n: responses per prompt (``rollout.n``).
+        max_num_gen_batches: the most generation batches the step may take (0: no limit).
+        pad_token_id: the padding of narrower prompts and responses when the batches are joined.
     """
-    c = trainer.config
-    limit, n, want = c.algorithm.filter_groups.max_num_gen_batches, c.rollout.n, len(records)
-    parts, kept, generated = [], 0, 0
-    while kept < want:
-        if generated == limit > 0:
-            raise RuntimeError(
-                f"algorithm.filter_groups: {generated} generation batches (max_num_gen_batches) gave {kept} of the "
-                f"{want} prompts whose responses score differently; the prompts may be too easy or too hard for "
-                "the policy: raise algorithm.filter_groups.max_num_gen_batches (0: no limit)"
-            )
-        records = records if generated == 0 else trainer.sampler.next_batch()
-        batch, scores, extras = trainer.generate_and_score(records, timing, first_row=generated * want * n)
-        batch["index"] += generated * want
+
+    def __init__(self, prompts: int, n: int, max_num_gen_batches: int, pad_token_id: int):
+        self.prompts = prompts
+        self.n = n
+        self.max_num_gen_batches = max_num_gen_batches
+        self.pad_token_id = pad_token_id
+        self.parts: list[dict[str, torch.Tensor]] = []
+        self.kept = 0
+        self.generated = 0
+
+    @property
+    def full(self) -> bool:
+        """Whether ``prompts`` groups have been kept."""
+        return self.kept >= self.prompts
+
+    @property
+    def first_row(self) -> int:
+        """The next generation batch's first row among the step's draws."""
+        return self.generated * self.prompts * self.n
+
+    def add(self, batch: dict[str, torch.Tensor], scores: torch.Tensor, extras: dict[str, torch.Tensor]) -> None:
+        """Keep the groups of one generation batch whose scores differ.
+
+        Args:
+            batch: ``prompts`` x ``n`` rows as :meth:`~refppo.training.trainer.PPOTrainer.generate_and_score`
+                gives them, ``index`` numbering its groups from 0 (renumbered here after the
+                earlier batches').
+            scores: (prompts x n,); extras: name -> (prompts x n,) scores.
+
+        Raises:
+            RuntimeError: ``max_num_gen_batches`` batches did not give enough groups that differ.
+        """
+        batch["index"] += self.generated * self.prompts
         keep = varied_groups(scores, batch["index"])
         part = batch | {SCORE: scores} | {EXTRA + k: v for k, v in extras.items()}
-        parts.append({k: v[keep.to(v.device)] for k, v in part.items()})
-        kept, generated = kept + int(keep.sum()) // n, generated + 1
-    whole = {k: v[: want * n] for k, v in join_batches(parts, trainer.tokenizer.pad_token_id).items()}
-    whole["index"] = whole["index"].unique(return_inverse=True)[1]
-    scores, extras = whole.pop(SCORE), {k[len(EXTRA) :]: whole.pop(k) for k in list(whole) if k.startswith(EXTRA)}
-    stats = {"train/num_gen_batches": generated, "training/filter_groups/evicted_samples": generated * want - kept}
-    return whole, scores, extras, stats
+        self.parts.append({k: v[keep.to(v.device)] for k, v in part.items()})
+        self.kept += int(keep.sum()) // self.n
+        self.generated += 1
+        if not self.full and self.generated == self.max_num_gen_batches:
+            raise RuntimeError(
+                f"algorithm.filter_groups: {self.generated} generation batches (max_num_gen_batches) gave "
+                f"{self.kept} of the {self.prompts} prompts whose responses score differently; the prompts may be "
+                "too easy or too hard for the policy: raise algorithm.filter_groups.max_num_gen_batches (0: no limit)"
+            )
+
+    def result(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
+        """The first ``prompts`` kept groups as one batch (the surplus of the last generation batch
+        dropped).
+
+        Returns:
+            (batch, scores, extras, stats): as :meth:`~refppo.training.trainer.PPOTrainer.generate_and_score`,
+            ``prompts`` x ``n`` rows whose ``index`` numbers the kept groups 0, 1, ...; stats
+            ``train/num_gen_batches`` and ``training/filter_groups/evicted_samples`` (groups dropped
+            for scores alike, verl's name).
+        """
+        rows = self.prompts * self.n
+        whole = {k: v[:rows] for k, v in join_batches(self.parts, self.pad_token_id).items()}
+        whole["index"] = whole["index"].unique(return_inverse=True)[1]
+        scores = whole.pop(SCORE)
+        extras = {k[len(EXTRA) :]: whole.pop(k) for k in list(whole) if k.startswith(EXTRA)}
+        evicted = self.generated * self.prompts - self.kept
+        stats = {"train/num_gen_batches": self.generated, "training/filter_groups/evicted_samples": evicted}
+        return whole, scores, extras, stats

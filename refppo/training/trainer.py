@@ -1,12 +1,37 @@
-"""The RLHF PPO loop (ch 5, 6): one step in the notes' three phases.
+"""The RLHF PPO loop (ch 5, 6): :meth:`PPOTrainer.train_step` reads as one step, in the notes'
+three phases.
 
-1. Generate: the actor samples ``rollout.n`` responses per prompt, recording their log-probs.
-2. Evaluate: scores (reward model or rule), reference and old log-probs, values, token-level
-   rewards (KL in the reward when ``algorithm.use_kl_in_reward``), advantages.
-3. Update: ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a
-   row count, or of a token budget with ``use_dynamic_bsz``) for the critic and the actor, each with
-   its own optimiser, gradient clipping and LR schedule. Rows are reshuffled every epoch, as textbook
-   PPO does; verl cuts its batch in order (reordered by length to balance its GPUs) every epoch.
+Generate
+
+1. the actor samples ``rollout.n`` responses per prompt, recording their log-probs;
+2. a reward model or a reward function scores them (here, beside the rollout, so that DAPO's
+   dynamic sampling can repeat 1 and 2 until enough groups' scores differ).
+
+Evaluate, without gradients
+
+3. the reference's and the old policy's (the actor before this step's update) log-probs of the
+   sampled tokens;
+4. the critic's values, when the advantage estimator is GAE;
+5. token-level rewards: the score on the last token, minus beta * KL per token with the KL in the
+   reward; then rollout correction's weights and rejection;
+6. advantages, from the estimator chosen by name, called as verl calls it.
+
+Update
+
+7. the critic's, then 8. the actor's (with a critic, after ``trainer.critic_warmup`` steps):
+   ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a row count,
+   or of a token budget with ``use_dynamic_bsz``), each model with its own optimiser, gradient
+   clipping and LR schedule (:mod:`refppo.training.update`). Rows are reshuffled every epoch, as
+   textbook PPO does; verl cuts its batch in order (reordered by length to balance its GPUs) every
+   epoch.
+
+9. Metrics, in verl's names, gathered to the host in one transfer.
+
+:meth:`PPOTrainer.rollout` is 1-2, :meth:`PPOTrainer.evaluate` 3-6 (both together
+:meth:`PPOTrainer.make_experience`) and :meth:`PPOTrainer.update` 7-8. With several processes
+each generates, scores and evaluates its share of the rows; the rows are gathered before step 5
+and each process takes its share of every mini-batch (:mod:`refppo.distributed`, whose calls do
+nothing in one process).
 
 The batch of a step: generate gives the keys listed in :mod:`refppo.rollout.prompts` and
 :func:`refppo.rollout.generation.generate`; evaluate adds, all (B, R) float32 and 0 after the response
@@ -16,14 +41,14 @@ unless said:
 - ``old_log_probs``: log pi_old, the actor before this step's update (the rollout's own
   log-probs in bypass mode); ``rollout_is_weights``: the truncated pi_old / pi_rollout (with
   ``algorithm.rollout_correction.rollout_is`` only);
-- ``values``: the critic's V(s_t) (when the advantage estimator reads values);
+- ``values``: the critic's V(s_t) (GAE only);
 - ``token_level_scores``: the score on the last valid token; ``token_level_rewards``: the
   same minus beta * KL per token when ``algorithm.use_kl_in_reward``, else equal to it;
 - ``reward_baselines``: (B,) the score of each prompt's greedy response (ReMax only);
 - ``advantages``, ``returns``: from the advantage estimator.
 
-The reward model and the reference are frozen. Metrics use verl's names, gathered in one host
-transfer per step; the values the update reads are checked once, at the end of phase 2.
+The reward model and the reference are frozen. The values the update reads are checked once, at
+the end of step 6.
 """
 
 from __future__ import annotations
@@ -52,11 +77,11 @@ from refppo.rollout.prompts import decode_texts, tokenize_records
 from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
 from refppo.training.data import EpochSampler
-from refppo.training.dynamic_sampling import fill_batch
+from refppo.training.dynamic_sampling import DynamicSampling
 from refppo.training.metrics import data_metrics, gather, peak_memory_gb, throughput_metrics, timer
 from refppo.training.optim import make_optimizer
 from refppo.training.reward_fns import RewardFn, check_scores, describe
-from refppo.training.update import minibatch_updates
+from refppo.training.update import Learner, minibatch_updates
 
 
 class PPOTrainer:
@@ -67,7 +92,7 @@ class PPOTrainer:
         tokenizer: a prepared tokenizer (pad distinct from EOS).
         actor: the causal LM to train (a peft model for LoRA), initialised from the SFT model;
             ``model.enable_gradient_checkpointing`` turns activation checkpointing on in it.
-        critic: a scalar-head model when the advantage estimator reads ``values`` (GAE), else None;
+        critic: a scalar-head model when the advantage estimator is GAE, else None;
             ``critic.model.enable_gradient_checkpointing`` as for the actor.
         train_records, val_records: prompt dicts (``data.prompt_key`` plus whatever the reward
             function reads, e.g. "answer").
@@ -77,6 +102,7 @@ class PPOTrainer:
         extra_reward_fns: name -> reward function reported (never trained on) for rollouts as
             ``reward/<name>/mean`` and at validation as ``val/<name>``, e.g. a gold reward.
         answer_fn: a response text's answer, for validation's maj@k (:mod:`refppo.training.validation`).
+        world: this process's place among the run's processes (:mod:`refppo.distributed`).
     """
 
     def __init__(
@@ -102,13 +128,21 @@ class PPOTrainer:
         if self.use_critic != (critic is not None):
             needs = "needs a critic" if self.use_critic else "uses no critic: pass critic=None"
             raise ValueError(f"algorithm.adv_estimator={c.algorithm.adv_estimator} {needs}")
-        self.config, self.tokenizer, self.actor, self.critic = c, tokenizer, actor, critic
-        self.reward_fn, self.reward_model = reward_fn, reward_model
-        self.extra_reward_fns, self.answer_fn = extra_reward_fns or {}, answer_fn
-        self.val_records, self.world = val_records, world
+        self.config = c
+        self.tokenizer = tokenizer
+        self.actor = actor
+        self.critic = critic
+        self.reward_fn = reward_fn
+        self.reward_model = reward_model
+        self.extra_reward_fns = extra_reward_fns or {}
+        self.answer_fn = answer_fn
+        self.val_records = val_records
+        self.world = world
         self.device = actor.device
         self.need_ref = c.algorithm.use_kl_in_reward or c.actor.use_kl_loss
-        self.reference = reference if reference is not None or not self.need_ref else make_reference(actor)
+        if reference is None and self.need_ref:
+            reference = make_reference(actor)
+        self.reference = reference
         # the speed paths, chosen once (refppo.accel): the same numbers as the plain ones
         accel.prepare_models(c, actor, critic, self.reference, reward_model, world.distributed)
         self.accel = accel.select(c, self.device, world.distributed)
@@ -117,18 +151,112 @@ class PPOTrainer:
             distributed.shard(model, world)
         self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed)
         self.kl_ctrl = get_kl_controller(**vars(c.algorithm.kl_ctrl))
-        total = c.trainer.total_training_steps
-        self.actor_params = [p for p in actor.parameters() if p.requires_grad]
-        self.actor_opt, self.actor_sched = make_optimizer(self.actor_params, c.actor.optim, total)
+        self.learners = {"actor": self._learner("actor", actor, self.accel.actor)}
         if self.use_critic:
-            self.critic_params = [p for p in critic.parameters() if p.requires_grad]
-            self.critic_opt, self.critic_sched = make_optimizer(self.critic_params, c.critic.optim, total)
+            self.learners["critic"] = self._learner("critic", critic, self.accel.critic)
         self.shuffle_gen = torch.Generator().manual_seed(c.trainer.seed + 1)  # mini-batch order
         self.step = 0
         self.last_update_stats: list[dict[str, float]] = []  # per actor mini-batch, for inspection
-        self.skipped_in_a_row: dict[str, int] = {}  # "actor" / "critic" -> updates skipped (non-finite grad)
 
-    # ---- phase 1: generate -------------------------------------------------------------
+    def _learner(self, role: str, model, passes) -> Learner:
+        """``role``'s model ("actor" or "critic") with its optimiser, schedule and update settings
+        (the critic's unset ones fall back to the actor's, as in verl)."""
+        c = self.config
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer, schedule = make_optimizer(params, getattr(c, role).optim, c.trainer.total_training_steps)
+        setting = (lambda name: getattr(c.actor, name)) if role == "actor" else (lambda name: critic_setting(c, name))
+        return Learner(
+            name=role,
+            model=model,
+            params=params,
+            optimizer=optimizer,
+            schedule=schedule,
+            epochs=setting("ppo_epochs"),
+            mini_rows=setting("ppo_mini_batch_size") * c.rollout.n,
+            micro_rows=getattr(c, role).ppo_micro_batch_size_per_gpu,
+            loss_agg_mode=setting("loss_agg_mode"),
+            grad_clip=getattr(c, role).grad_clip,
+            passes=passes,
+        )
+
+    # ---- one step ----------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One PPO step, steps 1-9 of the module docstring; returns the step's metrics."""
+        timing: dict[str, float] = {}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        records = self.sampler.next_batch()
+        # NaN or inf in these forward passes, after an update, means the update broke the model
+        with broken_by_update(f"step {self.step + 1}", "actor.optim.lr or critic.optim.lr", self.step == 0):
+            # generate: 1. sample responses, 2. score them
+            batch, scores, extras, stats = self.rollout(records, timing)
+            # evaluate: 3. log-probs, 4. values, 5. token-level rewards, 6. advantages
+            stats |= self.evaluate(batch, scores, extras, timing)
+        # update: 7. the critic, 8. the actor
+        critic_stats, actor_stats = self.update(batch, timing)
+        # 9. metrics
+        metrics = self.step_metrics(batch, stats, critic_stats + actor_stats, timing, start)
+        self.last_update_stats = [{k: float(v) for k, v in m.items()} for m in actor_stats]
+        self.step += 1
+        return metrics
+
+    def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, dict]:
+        """Steps 1-6 (generate and evaluate) for a batch of prompt records: :meth:`rollout`, then
+        :meth:`evaluate`.
+
+        Args:
+            records: the step's prompt records (``data.train_batch_size`` of them).
+            timing: receives ``timing_s/gen``, ``timing_s/reward`` and the evaluate timings.
+
+        Returns:
+            (batch, stats): the batch holds every key of :func:`refppo.rollout.generation.generate` plus
+            those ``evaluate`` adds, B = len(records) x rollout.n rows; the stats of both.
+        """
+        batch, scores, extras, stats = self.rollout(records, timing)
+        return batch, stats | self.evaluate(batch, scores, extras, timing)
+
+    # ---- generate: steps 1 and 2 ----------------------------------------------
+    def rollout(self, records: list[dict], timing: dict):
+        """Steps 1 and 2: this process's responses to ``records`` and their scores; with
+        ``algorithm.filter_groups``, DAPO's dynamic sampling (:mod:`refppo.training.dynamic_sampling`):
+        the groups whose scores differ, the sampler's next records generated for until there are
+        ``len(records)`` of them.
+
+        Returns:
+            (batch, scores, extras, stats): as :meth:`generate_and_score`, and the dynamic
+            sampling's stats (none without it).
+        """
+        c = self.config
+        if not c.algorithm.filter_groups.enable:
+            batch, scores, extras = self.generate_and_score(records, timing)
+            return batch, scores, extras, {}
+        limit = c.algorithm.filter_groups.max_num_gen_batches
+        groups = DynamicSampling(len(records), c.rollout.n, limit, self.tokenizer.pad_token_id)
+        groups.add(*self.generate_and_score(records, timing))
+        while not groups.full:
+            more = self.sampler.next_batch()
+            groups.add(*self.generate_and_score(more, timing, first_row=groups.first_row))
+        return groups.result()
+
+    def generate_and_score(self, records: list[dict], timing: dict, first_row: int = 0):
+        """This process's share of ``records``: its rollout (row ``first_row`` on of the step's
+        draws) and the scores and extra scores of :meth:`score`; for ReMax, also the score of each
+        prompt's greedy response (``reward_baselines``), as verl computes it."""
+        n = self.config.rollout.n
+        share = self.world.share(len(records))
+        mine = records[share]
+        remax = self.config.algorithm.adv_estimator == "remax"
+        with timer(timing, "gen", self.device):
+            batch = self.generate(mine, n, first_row=first_row + share.start * n)
+            greedy = self.generate(mine, 1, do_sample=False) if remax else None  # ReMax's baseline
+        batch["index"] += share.start
+        with timer(timing, "reward", self.device):
+            scores, extras = self.score(batch, [r for r in mine for _ in range(n)])
+            if greedy is not None:  # each prompt's greedy score, for each of its n rows
+                batch["reward_baselines"] = self.score(greedy, mine)[0].repeat_interleave(n)
+        return batch, scores, extras
+
     def generate(
         self, records: list[dict], n: int, do_sample: bool = True, first_row: int = 0, stream: int = 0, sampling=None
     ) -> dict[str, torch.Tensor]:
@@ -136,15 +264,27 @@ class PPOTrainer:
         row ``first_row + i`` of the step's whole batch drawn from its own numbers
         (:func:`refppo.rollout.generation.row_uniforms`; ``stream`` 1 or 2 for evaluation), at ``sampling``'s
         temperature, top_k and top_p (``rollout.val_kwargs``; None: ``rollout``'s)."""
-        c, tok = self.config, self.tokenizer
+        c = self.config
         s = sampling or c.rollout
-        ids, mask = tokenize_records(tok, records, c.data)
-        limit, rows = c.data.max_response_length, range(first_row, first_row + len(ids) * n)
-        kwargs = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, ignore_eos=c.rollout.ignore_eos, n=n)
-        kwargs["uniforms"] = row_uniforms(c.trainer.seed, self.step, rows, limit, stream)
+        ids, mask = tokenize_records(self.tokenizer, records, c.data)
+        limit = c.data.max_response_length
+        rows = range(first_row, first_row + len(ids) * n)
         with distributed.Unsharded(self.actor, self.world):  # each token passes every layer: gather the weights once
-            model, eos, pad = self.sampling_model, tok.eos_token_id, tok.pad_token_id
-            return generate(model, ids, mask, eos, pad, limit, do_sample=do_sample, **kwargs)
+            return generate(
+                self.sampling_model,
+                ids,
+                mask,
+                eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
+                max_new_tokens=limit,
+                do_sample=do_sample,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                ignore_eos=c.rollout.ignore_eos,
+                n=n,
+                uniforms=row_uniforms(c.trainer.seed, self.step, rows, limit, stream),
+            )
 
     def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sequence scores (B,) for training, and the extra (reported-only) scores by name.
@@ -153,7 +293,9 @@ class PPOTrainer:
         verl's DAPO reward manager adds it. A response that hit the length limit without EOS loses
         ``reward_model.missing_eos_penalty``: a reward model never saw unfinished responses.
         """
-        texts, extras, rm = None, {}, self.config.reward_model
+        rm = self.config.reward_model
+        texts = None
+        extras = {}
         if self.reward_model is not None:
             scores = compute_scores(self.reward_model, batch, rm.micro_batch_size_per_gpu)
         else:
@@ -162,8 +304,11 @@ class PPOTrainer:
                 self.reward_fn(*texts, rows), len(rows), f"reward function {describe(self.reward_fn)}"
             )
             if rm.reward_manager == "dapo" and rm.overlong_buffer.enable:
-                limit, b = rm.max_resp_len or self.config.data.max_response_length, rm.overlong_buffer
-                scores, extras = overlong_shaped(scores, batch["response_mask"], limit, b.len, b.penalty_factor, b.log)
+                buffer = rm.overlong_buffer
+                limit = rm.max_resp_len or self.config.data.max_response_length
+                scores, extras = overlong_shaped(
+                    scores, batch["response_mask"], limit, buffer.len, buffer.penalty_factor, buffer.log
+                )
         if rm.missing_eos_penalty > 0:
             scores = apply_missing_eos_penalty(scores.to(self.device), batch["is_truncated"], rm.missing_eos_penalty)
         for name, fn in self.extra_reward_fns.items():
@@ -171,9 +316,9 @@ class PPOTrainer:
             extras[name] = check_scores(fn(*texts, rows), len(rows), f"reward function {name!r}")
         return scores.to(self.device), extras
 
-    # ---- phase 2: evaluate -------------------------------------------------------------
+    # ---- evaluate: steps 3 to 6 ---------------------------------------------------------
     def evaluate(self, batch: dict[str, torch.Tensor], scores: torch.Tensor, extras: dict, timing: dict) -> dict:
-        """Add the keys listed in the module docstring to a scored batch.
+        """Steps 3-6: add the keys listed in the module docstring to a scored batch.
 
         Args:
             batch: a rollout from :meth:`generate`, B rows.
@@ -183,41 +328,34 @@ class PPOTrainer:
         Returns:
             Metrics as detached scalars: ``reward/<name>/mean`` of the extra reward functions,
             ``actor/entropy`` (the sampling policy's, from the old-log-prob pass: none in
-            bypass mode, as in verl 0.9) and, with KL in the reward, its estimate and
-            coefficient.
+            bypass mode, as in verl 0.9), with KL in the reward its estimate and coefficient, and
+            rollout correction's.
         """
-        c, mask, device, passes = self.config, batch["response_mask"], self.device, self.accel.actor
-        temp, correction = c.rollout.temperature, c.algorithm.rollout_correction
-        # 2b. log pi_ref and log pi_old of the sampled tokens (bypass takes the sampler's as pi_old)
-        if self.need_ref:
-            with timer(timing, "ref", device):
-                micro = c.ref.log_prob_micro_batch_size_per_gpu
-                batch["ref_log_prob"] = passes.compute_log_probs(self.reference, batch, temp, micro)
-        entropy = None  # (B, R): the sampling policy's, from the old-log-prob pass (bypass runs none)
-        if correction.bypass_mode:
-            batch["old_log_probs"] = batch["rollout_log_probs"]
-        else:
-            with timer(timing, "old_log_prob", device):
-                micro = c.rollout.log_prob_micro_batch_size_per_gpu
-                batch["old_log_probs"], entropy = passes.compute_log_probs(self.actor, batch, temp, micro, True)
-        # 2c. the critic's values
+        c = self.config
+        # 3. the reference's and the old policy's log-probs of the sampled tokens
+        entropy = self.log_probs(batch, timing)
+        # 4. the critic's values of the states before each response token
         if self.use_critic:
-            with timer(timing, "values", device):
+            with timer(timing, "values", self.device):
                 micro = c.critic.ppo_micro_batch_size_per_gpu
                 batch["values"] = self.accel.critic.compute_values(self.critic, batch, micro)
-        # with several processes, each scored its own rows: from here on every process has them all
-        scores, extras, entropy = distributed.gather_evaluated(
-            batch, scores, extras, entropy, self.tokenizer.pad_token_id, self.world
-        )
-        mask = batch["response_mask"]
+        # with several processes each evaluated its own rows: from here on every process has them all
+        pad = self.tokenizer.pad_token_id
+        scores, extras, entropy = distributed.gather_evaluated(batch, scores, extras, entropy, pad, self.world)
+        mask = batch["response_mask"]  # the sampled tokens, before rollout correction rejects any
         stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
-        # 2d. token-level rewards (KL in the reward) and advantages
-        if correction.rollout_is is not None:
-            old, rollout, level = batch["old_log_probs"], batch["rollout_log_probs"], correction.rollout_is
-            threshold, normalize = correction.rollout_is_threshold, correction.rollout_is_batch_normalize
-            batch["rollout_is_weights"] = compute_rollout_is_weights(old, rollout, mask, threshold, level, normalize)
-        with timer(timing, "adv", device):
-            stats |= self._rewards_and_advantages(batch, scores)
+        with timer(timing, "adv", self.device):
+            # 5. token-level rewards (with the KL in the reward), then rollout correction
+            stats |= self.token_level_rewards(batch, scores)
+            stats |= self.rollout_correction(batch)
+            # 6. advantages
+            name = c.algorithm.adv_estimator
+            estimator = self.accel.adv_estimators.get(name) or get_adv_estimator_fn(name)
+            advantages, returns = compute_advantage(
+                batch, adv_estimator=name, adv_estimator_fn=estimator, config=c.algorithm
+            )
+            batch["advantages"] = advantages
+            batch["returns"] = returns
         # The update reads these in every micro-batch: check their values here, once per step.
         read = ("old_log_probs", "ref_log_prob", "values", "advantages", "returns")
         finite = {k: batch[k] for k in read if k in batch}
@@ -231,65 +369,117 @@ class PPOTrainer:
                 stats["actor/entropy"] = agg_loss(entropy, mask, c.actor.loss_agg_mode, scale)
         return stats
 
-    def _rewards_and_advantages(self, batch: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Token-level scores and rewards (KL in the reward), rejection sampling, then the advantage estimator."""
-        c, mask, stats = self.config, batch["response_mask"], {}
+    def log_probs(self, batch: dict[str, torch.Tensor], timing: dict) -> torch.Tensor | None:
+        """Step 3: ``ref_log_prob`` (when a KL reads the reference) and ``old_log_probs`` (in
+        bypass mode the sampler's own) of the sampled tokens, into ``batch``.
+
+        Returns:
+            The sampling policy's entropy (B, R) from the old-log-prob pass; None in bypass mode,
+            which runs none.
+        """
+        c = self.config
+        passes = self.accel.actor
+        temperature = c.rollout.temperature
+        if self.need_ref:
+            with timer(timing, "ref", self.device):
+                micro = c.ref.log_prob_micro_batch_size_per_gpu
+                batch["ref_log_prob"] = passes.compute_log_probs(self.reference, batch, temperature, micro)
+        if c.algorithm.rollout_correction.bypass_mode:
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+            return None
+        with timer(timing, "old_log_prob", self.device):
+            micro = c.rollout.log_prob_micro_batch_size_per_gpu
+            old_log_probs, entropy = passes.compute_log_probs(self.actor, batch, temperature, micro, True)
+        batch["old_log_probs"] = old_log_probs
+        return entropy
+
+    def token_level_rewards(self, batch: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Step 5: ``token_level_scores``, the score on each response's last token, and
+        ``token_level_rewards``, the same minus beta * KL(old || ref) per token with
+        ``algorithm.use_kl_in_reward`` (whose controller then updates beta); returns the KL's
+        metrics."""
+        c = self.config
+        mask = batch["response_mask"]
         batch["token_level_scores"] = place_score_on_last_token(scores, mask)
         batch["token_level_rewards"] = batch["token_level_scores"]
-        if c.algorithm.use_kl_in_reward:
-            beta, old, ref = self.kl_ctrl.value, batch["old_log_probs"], batch["ref_log_prob"]
-            rewards, current_kl = apply_kl_penalty(
-                batch["token_level_scores"], old, ref, mask, beta, c.algorithm.kl_penalty
-            )
-            batch["token_level_rewards"] = rewards
-            self.kl_ctrl.update(float(current_kl), n_steps=mask.shape[0])
-            stats = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": torch.tensor(beta)}
-        rs = c.algorithm.rollout_correction  # verl rejects after the KL in the reward, before the advantages
-        if rs.rollout_rs is not None and not rs.bypass_mode:
-            old, sampled, threshold = batch["old_log_probs"], batch["rollout_log_probs"], rs.rollout_rs_threshold
-            batch["response_mask"], rejected = compute_rollout_rs_mask(old, sampled, mask, rs.rollout_rs, threshold)
-            stats |= rejected
-        name = c.algorithm.adv_estimator
-        estimator = self.accel.adv_estimators.get(name) or get_adv_estimator_fn(name)
-        advantages, returns = compute_advantage(
-            batch, adv_estimator=name, adv_estimator_fn=estimator, config=c.algorithm
+        if not c.algorithm.use_kl_in_reward:
+            return {}
+        beta = self.kl_ctrl.value
+        rewards, current_kl = apply_kl_penalty(
+            batch["token_level_scores"],
+            old_log_probs=batch["old_log_probs"],
+            ref_log_prob=batch["ref_log_prob"],
+            response_mask=mask,
+            kl_coef=beta,
+            kl_penalty=c.algorithm.kl_penalty,
         )
-        batch["advantages"] = advantages
-        batch["returns"] = returns
-        return stats
+        batch["token_level_rewards"] = rewards
+        self.kl_ctrl.update(float(current_kl), n_steps=mask.shape[0])
+        return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": torch.tensor(beta)}
 
-    # ---- phase 3: update ---------------------------------------------------------------
-    def _minibatch_updates(self, batch: dict[str, torch.Tensor], role: str) -> list[dict[str, torch.Tensor]]:
-        """The ``role`` model's update ("actor" or "critic") with its own settings
-        (:func:`refppo.training.update.minibatch_updates`); returns per-mini-batch stats."""
-        c, actor = self.config, role == "actor"
-        settings = ("ppo_epochs", "ppo_mini_batch_size", "loss_agg_mode")
-        epochs, mini_size, agg_mode = (getattr(c.actor, k) if actor else critic_setting(c, k) for k in settings)
-        passes, rows = (self.accel.actor if actor else self.accel.critic), getattr(c, role).ppo_micro_batch_size_per_gpu
-        share = lambda mini: distributed.take_share(mini, self.world)
-        return minibatch_updates(
-            batch,
-            role,
-            self.actor_params if actor else self.critic_params,
-            self.actor_opt if actor else self.critic_opt,
-            self._actor_loss if actor else self._critic_loss,
-            # this process's share of each mini-batch; the stats of all its micro-batches summed over processes
-            micro_batches=lambda mini: [mb for _, mb in passes.micro_batches(share(mini), rows)],
-            reduce=lambda stats: distributed.sum_stats(stats, self.world),
-            epochs=epochs,
-            mini_rows=mini_size * c.rollout.n,
-            agg_mode=agg_mode,
-            grad_clip=getattr(c, role).grad_clip,
-            shuffle_gen=self.shuffle_gen,
-            skipped=self.skipped_in_a_row,
+    def rollout_correction(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Step 5, rollout correction (:mod:`refppo.algorithms.rollout_correction`):
+        ``rollout_is_weights`` for the loss, then rejection sampling, which zeroes the rejected
+        tokens of ``response_mask`` before the advantages (in that order, as verl); returns the
+        rejection's metrics."""
+        rc = self.config.algorithm.rollout_correction
+        mask = batch["response_mask"]
+        old = batch["old_log_probs"]
+        if rc.rollout_is is not None:
+            batch["rollout_is_weights"] = compute_rollout_is_weights(
+                old,
+                batch["rollout_log_probs"],
+                mask,
+                threshold=rc.rollout_is_threshold,
+                level=rc.rollout_is,
+                batch_normalize=rc.rollout_is_batch_normalize,
+            )
+        if rc.rollout_rs is None or rc.bypass_mode:
+            return {}
+        batch["response_mask"], rejected = compute_rollout_rs_mask(
+            old, batch["rollout_log_probs"], mask, rc.rollout_rs, rc.rollout_rs_threshold
         )
+        return rejected
+
+    # ---- update: steps 7 and 8 ------------------------------------------------------------
+    def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
+        """Steps 7 and 8: the critic's update, then the actor's (with a critic, after
+        ``trainer.critic_warmup`` steps).
+
+        Args:
+            batch: an evaluated batch (see :meth:`make_experience`).
+            timing: receives ``timing_s/update_critic`` and ``timing_s/update_actor``.
+
+        Returns:
+            (critic stats, actor stats): one dict of detached scalars per mini-batch update.
+        """
+        critic_stats = []
+        if self.use_critic:
+            critic_stats = self.update_model(self.learners["critic"], self._critic_loss, batch, timing)
+        actor_stats = []
+        if not self.use_critic or self.step >= self.config.trainer.critic_warmup:
+            actor_stats = self.update_model(self.learners["actor"], self._actor_loss, batch, timing)
+        return critic_stats, actor_stats
+
+    def update_model(self, learner: Learner, micro_loss: Callable, batch: dict, timing: dict) -> list[dict]:
+        """``learner``'s mini-batch updates (:func:`refppo.training.update.minibatch_updates`) with
+        ``micro_loss``, then its schedule's step; ``<name>/lr`` is the rate after it, as verl logs
+        it."""
+        learner.model.train()
+        with timer(timing, f"update_{learner.name}", self.device):
+            stats = minibatch_updates(batch, learner, micro_loss, self.shuffle_gen, self.world)
+        learner.model.eval()
+        learner.schedule.step()
+        lr = torch.tensor(learner.schedule.get_last_lr()[0])
+        return [s | {f"{learner.name}/lr": lr} for s in stats]
 
     def _actor_loss(self, mb):
-        a, temp = self.config.actor, self.config.rollout.temperature
+        a = self.config.actor
         mask = mb["response_mask"]
         # actor/entropy comes from the old-log-prob pass (verl 0.9); here only for the bonus or if asked
         bonus = a.entropy_coeff != 0
-        log_prob, entropy = self.accel.actor.log_probs(self.actor, mb, temp, bonus or a.calculate_entropy)
+        temperature = self.config.rollout.temperature
+        log_prob, entropy = self.accel.actor.log_probs(self.actor, mb, temperature, bonus or a.calculate_entropy)
         scale = self._loss_scale_factor(a.loss_scale_factor)
         policy_loss_fn = get_policy_loss_fn(a.policy_loss)
         pg_loss, pg_metrics = policy_loss_fn(  # verl 0.9's call
@@ -323,95 +513,29 @@ class PPOTrainer:
 
     def _critic_loss(self, mb):
         c = self.config
+        mask = mb["response_mask"]
         vpreds = response_values(self.critic, mb)
         mode = critic_setting(c, "loss_agg_mode")
         scale = self._loss_scale_factor(critic_setting(c, "loss_scale_factor"))
         vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds, mb["returns"], mb["values"], mb["response_mask"], c.critic.cliprange_value, mode, scale
+            vpreds, mb["returns"], mb["values"], mask, c.critic.cliprange_value, mode, scale
         )
-        vpred_mean = masked_mean(vpreds.detach(), mb["response_mask"])
-        stats = {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": vf_clipfrac}
-        return vf_loss, stats | {"critic/vpred_mean": vpred_mean}
+        vpred_mean = masked_mean(vpreds.detach(), mask)
+        return vf_loss, {
+            "critic/vf_loss": vf_loss.detach(),
+            "critic/vf_clipfrac": vf_clipfrac,
+            "critic/vpred_mean": vpred_mean,
+        }
 
-    # ---- one step ----------------------------------------------------------------------
-    def make_experience(self, records: list[dict], timing: dict) -> tuple[dict, dict]:
-        """Phases 1 and 2 for a batch of prompt records: generate, score, then evaluate (with
-        ``algorithm.filter_groups``, DAPO's dynamic sampling: :func:`refppo.training.dynamic_sampling.fill_batch`).
-
-        Args:
-            records: the step's prompt records (``data.train_batch_size`` of them).
-            timing: receives ``timing_s/gen``, ``timing_s/reward`` and the evaluate timings.
-
-        Returns:
-            (batch, stats): the batch holds every key of :func:`refppo.rollout.generation.generate` plus
-            those ``evaluate`` adds, B = len(records) x rollout.n rows; stats as ``evaluate`` returns.
-        """
-        if self.config.algorithm.filter_groups.enable:
-            batch, scores, extras, stats = fill_batch(self, records, timing)
-        else:
-            (batch, scores, extras), stats = self.generate_and_score(records, timing), {}
-        return batch, stats | self.evaluate(batch, scores, extras, timing)
-
-    def generate_and_score(self, records: list[dict], timing: dict, first_row: int = 0):
-        """This process's share of ``records``: its rollout (row ``first_row`` on of the step's
-        draws) and the scores and extra scores of :meth:`score`; for ReMax, also the score of each
-        prompt's greedy response (``reward_baselines``), as verl computes it."""
-        n = self.config.rollout.n
-        share = self.world.share(len(records))
-        mine = records[share]
-        remax = self.config.algorithm.adv_estimator == "remax"
-        with timer(timing, "gen", self.device):
-            batch = self.generate(mine, n, first_row=first_row + share.start * n)
-            greedy = self.generate(mine, 1, do_sample=False) if remax else None  # ReMax's baseline
-        batch["index"] += share.start
-        with timer(timing, "reward", self.device):
-            scores, extras = self.score(batch, [r for r in mine for _ in range(n)])
-            if greedy is not None:  # each prompt's greedy score, for each of its n rows
-                batch["reward_baselines"] = self.score(greedy, mine)[0].repeat_interleave(n)
-        return batch, scores, extras
-
-    def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
-        """Phase 3: the critic's update, then the actor's (with a critic, after ``trainer.critic_warmup`` steps).
-
-        Args:
-            batch: an evaluated batch (see :meth:`make_experience`).
-            timing: receives ``timing_s/update_critic`` and ``timing_s/update_actor``.
-
-        Returns:
-            (critic stats, actor stats): one dict of detached scalars per mini-batch update.
-        """
-        critic_minis = self._update_role(batch, "critic", timing) if self.use_critic else []
-        warm = not self.use_critic or self.step >= self.config.trainer.critic_warmup
-        return critic_minis, self._update_role(batch, "actor", timing) if warm else []
-
-    def _update_role(self, batch: dict[str, torch.Tensor], role: str, timing: dict) -> list[dict[str, torch.Tensor]]:
-        """``role``'s updates, then its schedule's step; ``<role>/lr`` is the rate after it, as verl logs it."""
-        model, _, schedule = self._roles()[role]
-        model.train()
-        with timer(timing, f"update_{role}", self.device):
-            minis = self._minibatch_updates(batch, role)
-        model.eval()
-        schedule.step()
-        lr = torch.tensor(schedule.get_last_lr()[0])
-        return [m | {f"{role}/lr": lr} for m in minis]
-
-    def train_step(self) -> dict[str, float]:
-        """One step: 1. generate, 2. evaluate, 3. update; returns the step's metrics."""
+    # ---- step 9: metrics ----------------------------------------------------------------
+    def step_metrics(self, batch: dict, stats: dict, update_stats: list[dict], timing: dict, start: float) -> dict:
+        """Step 9: the step's metrics in verl's names, gathered to the host in one transfer, with
+        the timings (the step's from ``start``, a ``time.perf_counter()``), throughput and peak
+        memory."""
         c = self.config
-        timing: dict[str, float] = {}
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        with broken_by_update(f"step {self.step + 1}", "actor.optim.lr or critic.optim.lr", self.step == 0):
-            batch, stats = self.make_experience(self.sampler.next_batch(), timing)  # phases 1 and 2
-        critic_minis, actor_minis = self.update(batch, timing)  # phase 3
         with value_checks(False):  # the batch was checked before the updates
-            metrics = gather(
-                data_metrics(batch, c, self.use_critic) | stats, critic_minis + actor_minis, self.device
-            )  # one host sync
+            metrics = gather(data_metrics(batch, c, self.use_critic) | stats, update_stats, self.device)
         timing["timing_s/step"] = time.perf_counter() - start
-        self.last_update_stats = [{k: float(v) for k, v in m.items()} for m in actor_minis]
-        self.step += 1
         metrics.update(timing)
         metrics |= throughput_metrics(batch, timing)
         metrics["perf/max_memory_allocated_gb"] = peak_memory_gb(self.device)
@@ -420,22 +544,19 @@ class PPOTrainer:
         return metrics
 
     # ---- checkpoints -------------------------------------------------------------------
-    def _roles(self) -> dict:
-        """The trained models by name: (model, optimiser, learning-rate schedule)."""
-        roles = {"actor": (self.actor, self.actor_opt, self.actor_sched)}
-        if self.use_critic:
-            roles["critic"] = (self.critic, self.critic_opt, self.critic_sched)
-        return roles
+    def _models_and_optimizers(self) -> dict:
+        """The trained models and their optimisers by name, as the checkpoint files hold them."""
+        return {name: (learner.model, learner.optimizer) for name, learner in self.learners.items()}
 
     def save_checkpoint(self, folder: Path) -> None:
         """Everything a resumed run needs to continue exactly: the models and optimisers
         (:func:`refppo.training.checkpoint.save_models`; every process its shard), and in ``folder/trainer_state.pt``
         the step, the schedules, the KL controller, the data position and the generators."""
-        save_models(folder, {name: (model, opt) for name, (model, opt, _) in self._roles().items()}, self.world)
+        save_models(folder, self._models_and_optimizers(), self.world)
         if not self.world.main:
             return
         state = {"step": self.step, "kl_ctrl": vars(self.kl_ctrl).copy(), "sampler": self.sampler.state_dict()}
-        state |= {f"{name}_sched": sched.state_dict() for name, (_, _, sched) in self._roles().items()}
+        state |= {f"{name}_sched": learner.schedule.state_dict() for name, learner in self.learners.items()}
         state |= {
             "shuffle_gen": self.shuffle_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -446,9 +567,9 @@ class PPOTrainer:
     def load_checkpoint(self, folder: Path, state: dict) -> None:
         """Restore :meth:`save_checkpoint`'s ``folder``, whose ``trainer_state.pt`` holds ``state``
         (a run saved by any number of processes)."""
-        load_models(folder, {name: (model, opt) for name, (model, opt, _) in self._roles().items()}, self.world)
-        for name, (_, _, sched) in self._roles().items():
-            sched.load_state_dict(state[f"{name}_sched"])
+        load_models(folder, self._models_and_optimizers(), self.world)
+        for name, learner in self.learners.items():
+            learner.schedule.load_state_dict(state[f"{name}_sched"])
         self.step = state["step"]
         vars(self.kl_ctrl).update(state["kl_ctrl"])
         self.sampler.load_state_dict(state["sampler"])
