@@ -242,19 +242,23 @@ def test_bad_values():
         ),
         (
             ["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=4"],
-            "so actor.ppo_micro_batch_size_per_gpu would be ignored",
+            "actor.ppo_micro_batch_size_per_gpu=4 is ignored: .* read only with actor.use_dynamic_bsz=false",
         ),
         (
             ["actor.use_dynamic_bsz=true", "rollout.log_prob_micro_batch_size_per_gpu=4"],
-            "so rollout.log_prob_micro_batch_size_per_gpu would be ignored",
+            "rollout.log_prob_micro_batch_size_per_gpu=4 is ignored: .* read only with actor.use_dynamic_bsz=false",
         ),
         (
-            ["actor.use_dynamic_bsz=true", "ref.log_prob_micro_batch_size_per_gpu=4"],
-            "so ref.log_prob_micro_batch_size_per_gpu would be ignored",
+            [
+                "actor.use_dynamic_bsz=true",
+                "algorithm.use_kl_in_reward=true",
+                "ref.log_prob_micro_batch_size_per_gpu=4",
+            ],
+            "ref.log_prob_micro_batch_size_per_gpu=4 is ignored: .* read only with actor.use_dynamic_bsz=false",
         ),
         (
             ["critic.use_dynamic_bsz=true", "critic.ppo_micro_batch_size_per_gpu=4"],
-            "so critic.ppo_micro_batch_size_per_gpu would be ignored",
+            "critic.ppo_micro_batch_size_per_gpu=4 is ignored: .* read only with critic.use_dynamic_bsz=false",
         ),
         (
             ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=23"],

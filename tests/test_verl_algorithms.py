@@ -39,6 +39,8 @@ from refppo.algorithms.verl_losses import (
 )
 from refppo.losses import POLICY_LOSSES, compute_policy_loss
 from refppo.rewards import place_score_on_last_token
+from refppo.settings.config import Config, apply_overrides
+from refppo.settings.validate import validate
 
 B, T = 6, 7
 
@@ -349,6 +351,22 @@ def test_cispo_is_verls_and_a_clipped_token_keeps_its_gradient(seed):
     clipped = (ratio != weight) & mask.bool()
     assert clipped.any() and (new.grad[clipped] != 0).all(), "PPO's clip would give these tokens no gradient"
     assert metrics["actor/pg_clipfrac"].item() == pytest.approx(clipped.sum().item() / mask.sum().item())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_without_a_lower_bound_as_verls_example_runs_it(seed):
+    """verl's examples/cispo_trainer sets clip_ratio_low=10: 1 - 10 < 0, so no ratio is cut from
+    below (verl 0.9, core_algos.compute_policy_loss_cispo clamps at 1 - clip_ratio_low)."""
+    old, new, adv, mask = _loss_inputs(seed, scale=1.0)
+    loss, metrics = compute_policy_loss_cispo(old, new, adv, mask, clip_ratio_low=10.0, clip_ratio_high=0.2)
+    assert loss.item() == pytest.approx(ref_cispo(old, new.detach(), adv, mask, 10.0, 0.2), rel=1e-12)
+    ratio = torch.exp(new.detach() - old)
+    assert (ratio[mask.bool()] < 0.5).any(), "a ratio the default lower bound (0.8) would have cut"
+    cut = (ratio > 1.2) & mask.bool()
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(cut.sum().item() / mask.sum().item())
+    validate(
+        apply_overrides(Config(), ["actor.policy_loss=cispo", "actor.clip_ratio_low=10", "actor.clip_ratio_high=0.2"])
+    )
 
 
 def ref_dppo(old, new, adv, mask, low, high, c, divergence):

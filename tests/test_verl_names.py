@@ -12,6 +12,7 @@ from _inputs import CHAT_TEMPLATES
 
 from refppo.runs.cli import main
 from refppo.settings.config import Config, apply_overrides, declarations, get_value
+from refppo.settings.overrides import command_settings
 from refppo.settings.validate import format_value, validate
 from refppo.settings.verl_map import OTHER_DEFAULTS, REFPPO_ONLY, key_map, verl_command
 from refppo.settings.verl_names import (
@@ -477,3 +478,22 @@ def test_full_path_adds_verls_prefix_only_to_its_sections():
     assert (
         full_path("critic.optim.lr") == "critic.optim.lr" and full_path("model.path") == "actor_rollout_ref.model.path"
     )
+
+
+def test_micro_batch_rows_beside_token_budgets_are_dropped_from_a_verl_line_with_a_note():
+    """verl 0.9 reads ``ppo_micro_batch_size_per_gpu`` and the ``log_prob_micro_batch_size_per_gpu``
+    keys only without ``use_dynamic_bsz`` (``verl/workers/actor/dp_actor.py``,
+    ``DataParallelPPOActor.update_policy`` and ``compute_log_prob`` split by tokens when it is on),
+    and its example scripts set both: a verl line drops them with a note, a refppo line refuses them."""
+    line = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    ]
+    config, notes = command_settings("ppo", line)
+    unread = [n.split()[0] for n in notes if "(verl leaves it unread too)" in n]
+    assert unread == ["actor.ppo_micro_batch_size_per_gpu=2", "rollout.log_prob_micro_batch_size_per_gpu=4"]
+    assert config.actor.ppo_micro_batch_size_per_gpu is None and config.actor.use_dynamic_bsz
+    assert config.rollout.log_prob_micro_batch_size_per_gpu is None
+    with pytest.raises(ValueError, match="read only with actor.use_dynamic_bsz=false"):
+        command_settings("ppo", ["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=2"])

@@ -235,7 +235,8 @@ def check_pair_inputs(
 
 def clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
     """The clip's epsilons below and above 1: ``clip_ratio`` for a side given as None; ValueError
-    unless low is in [0, 1) and high in [0, inf).
+    unless both are in [0, inf) (``clip_ratio`` in [0, 1)). A low of 1 or more puts no lower
+    bound on the ratio, as verl allows (CISPO's recipe).
 
     Returns:
         (low, high) floats.
@@ -243,7 +244,7 @@ def clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high
     check_number("clip_ratio", clip_ratio, "[0, 1)")
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    check_number("clip_ratio_low", low, "[0, 1)")
+    check_number("clip_ratio_low", low, "[0, inf)")
     check_number("clip_ratio_high", high, "[0, inf)")
     return low, high
 

@@ -56,6 +56,16 @@ NO_ENTROPY_BONUS = when(
     lambda s: s.owner.entropy_coeff == 0, "actor.entropy_coeff=0 (a coefficient computes the entropy anyway)"
 )
 DYNAMIC_BSZ = when(lambda s: s.owner.use_dynamic_bsz, lambda s: f"{s.section}use_dynamic_bsz=true")
+# verl reads a micro-batch's row count only without token-budget micro-batches; the actor's
+# setting also governs the old-log-prob and reference passes (verl's log_prob_* keys default to it)
+ACTOR_ROWS = when(
+    lambda s: not s.config.actor.use_dynamic_bsz,
+    "actor.use_dynamic_bsz=false (true sizes micro-batches by actor.ppo_max_token_len_per_gpu)",
+)
+CRITIC_ROWS = when(
+    lambda s: not s.config.critic.use_dynamic_bsz,
+    "critic.use_dynamic_bsz=false (true sizes micro-batches by critic.ppo_max_token_len_per_gpu)",
+)
 WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps == -1, lambda s: f"{s.section}lr_warmup_steps=-1")
 COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")
 KL_CTRL_TARGET = when(lambda s: s.owner.type != "fixed", "algorithm.kl_ctrl.type=adaptive or ppo_paper")

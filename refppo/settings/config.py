@@ -23,9 +23,11 @@ from refppo.kl import KL_CONTROLLER_TYPES, kl_penalty_types
 from refppo.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from refppo.settings.conditions import (
     ACTOR_NORM,
+    ACTOR_ROWS,
     ARITHMETIC,
     COSINE,
     CRITIC_NORM,
+    CRITIC_ROWS,
     DAPO_MANAGER,
     DYNAMIC_BSZ,
     ENDS_AT_EOS,
@@ -179,14 +181,15 @@ class ActorConfig:
     optim: OptimConfig = section(lambda: OptimConfig(lr=5e-5))
     ppo_mini_batch_size: int = setting(16, COUNT)  # prompts per optimiser step
     # rows per forward pass; None: the mini-batch
-    ppo_micro_batch_size_per_gpu: int | None = setting(None, COUNT, resumable=True)
+    ppo_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=ACTOR_ROWS, resumable=True)
     # Micro-batches by a token budget instead (padding included), rows of similar length together;
     # also for the old-log-prob and reference passes (verl's log_prob_* keys default to these).
     use_dynamic_bsz: bool = setting(False, resumable=True)
     ppo_max_token_len_per_gpu: int = setting(16384, COUNT, needs=DYNAMIC_BSZ, resumable=True)
     ppo_epochs: int = setting(1, COUNT)
     clip_ratio: float = setting(0.2, "[0, 1)", needs=(LOSS_TAKES, ONE_CLIP_BOUND_UNSET))
-    clip_ratio_low: float | None = setting(None, "[0, 1)", needs=LOSS_TAKES)
+    # >= 1: no lower bound on the ratio (CISPO's recipe sets 10), as verl accepts
+    clip_ratio_low: float | None = setting(None, NONNEG, needs=LOSS_TAKES)
     clip_ratio_high: float | None = setting(None, NONNEG, needs=LOSS_TAKES)
     clip_ratio_c: float | None = setting(3.0, "(1, inf)", needs=LOSS_TAKES)  # dual-clip; null turns it off
     loss_agg_mode: str = setting("token-mean", LOSS_AGG_MODES)
@@ -246,7 +249,9 @@ class RolloutConfig:
     ignore_eos: bool = setting(False)  # every response runs to data.max_response_length (benchmarks)
     # decode over a static KV cache replayed as CUDA graphs; null: on with CUDA
     cuda_graphs: bool | None = setting(None, resumable=True)
-    log_prob_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=OLD_LOG_PROB_PASS, resumable=True)
+    log_prob_micro_batch_size_per_gpu: int | None = setting(
+        None, COUNT, needs=(OLD_LOG_PROB_PASS, ACTOR_ROWS), resumable=True
+    )
     val_kwargs: ValKwargsConfig = section(ValKwargsConfig, needs=EVALUATING)
 
 
@@ -254,7 +259,7 @@ class RolloutConfig:
 class RefConfig:
     """``ref.*`` (verl's ``actor_rollout_ref.ref.*``): the reference pass's micro-batch."""
 
-    log_prob_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=REFERENCE, resumable=True)
+    log_prob_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=(REFERENCE, ACTOR_ROWS), resumable=True)
 
 
 @dataclass
@@ -281,7 +286,7 @@ class CriticConfig:
     optim: OptimConfig = section(lambda: OptimConfig(lr=1e-3))
     ppo_epochs: int | None = setting(None, COUNT)  # None: actor.ppo_epochs (verl interpolates the same way)
     ppo_mini_batch_size: int | None = setting(None, COUNT)  # prompts per step; None: actor.ppo_mini_batch_size
-    ppo_micro_batch_size_per_gpu: int | None = setting(None, COUNT, resumable=True)
+    ppo_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=CRITIC_ROWS, resumable=True)
     use_dynamic_bsz: bool = setting(False, resumable=True)  # as actor.use_dynamic_bsz, for the update and values
     ppo_max_token_len_per_gpu: int = setting(32768, COUNT, needs=DYNAMIC_BSZ, resumable=True)
     cliprange_value: float | None = setting(0.5, POSITIVE)

@@ -141,25 +141,10 @@ def _check_batches(config: Config) -> None:
             f"({role}.ppo_mini_batch_size x rollout.n)",
         )
     longest = d.max_prompt_length + d.max_response_length
-    rows = {
-        "actor": [
-            "actor.ppo_micro_batch_size_per_gpu",
-            "rollout.log_prob_micro_batch_size_per_gpu",
-            "ref.log_prob_micro_batch_size_per_gpu",
-        ],
-        "critic": ["critic.ppo_micro_batch_size_per_gpu"],
-    }
-    for role, keys in rows.items():
+    for role in ("actor", "critic"):
         cfg = getattr(config, role)
         if not cfg.use_dynamic_bsz:
             continue
-        for key in keys:
-            _require(
-                get_value(config, key) is None,
-                f"{role}.use_dynamic_bsz=true sizes micro-batches by {role}.ppo_max_token_len_per_gpu, so {key} "
-                "would be "
-                f"ignored: drop {key} or set {role}.use_dynamic_bsz=false",
-            )
         _require(
             cfg.ppo_max_token_len_per_gpu >= longest,
             f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is less than one sequence can be "
