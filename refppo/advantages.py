@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from refppo.functional import masked_whiten
-from refppo.guards.checks import check_choice, check_flag, check_number, checks_once
+from refppo.guards.checks import check_choice, check_flag, check_number, check_same_shape, check_values, checks_once
 from refppo.guards.inputs import check_outcome_inputs, checked_gae_inputs, checked_return_inputs, group_ids, work_dtype
 from refppo.registry import ConfigView, Registry
 
@@ -127,11 +127,22 @@ def compute_gae_advantage_return(
     return masked_whiten(advantages, m), returns
 
 
-def _group_scores(
+def group_scores(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, min_valid: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row outcome scores and, per row, its group's count, sum and sum of squared deviations
-    (the inputs checked, with at least ``min_valid`` valid tokens)."""
+    """Each response's outcome score and, per row, the statistics of its group (the rows that
+    share an ``index`` label), for the group estimators.
+
+    Args:
+        token_level_rewards: (batch, T); a response's score is its row sum.
+        response_mask: (batch, T) 0/1, with at least ``min_valid`` ones.
+        index: (batch,) group labels: a list of hashables or a tensor.
+        min_valid: the fewest valid tokens the batch may hold (2 for an estimator that whitens).
+
+    Returns:
+        scores, count, total, sq_dev: each (batch,), the row's score, and its group's size, score
+        sum and sum of squared deviations from the group's mean.
+    """
     check_outcome_inputs(token_level_rewards, response_mask, min_valid)
     scores = token_level_rewards.to(work_dtype(token_level_rewards)).sum(dim=-1)
     ids, n_groups = group_ids(index, scores.shape[0], scores.device)
@@ -142,9 +153,20 @@ def _group_scores(
     return scores, count[ids], total[ids], sq_dev[ids]
 
 
-def _group_mean(n: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Each row's group mean from its group's count and sum; a group of one has mean 0 (verl's rule)."""
-    return torch.where(n == 1, torch.zeros_like(total), total / n)
+@checks_once
+def group_mean(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Each row's group mean from its group's size and score sum (:func:`group_scores`); a group
+    of one has mean 0 (verl's rule: its response keeps its raw score).
+
+    Args:
+        count, total: (batch,) each row's group size (>= 1) and score sum.
+
+    Returns:
+        (batch,) means.
+    """
+    check_same_shape(count=count, total=total)
+    check_values(finite={"count": count, "total": total}, violations={"count must be >= 1 (a group's size)": count < 1})
+    return torch.where(count == 1, torch.zeros_like(total), total / count)
 
 
 @register_adv_est("grpo", reads=("norm_adv_by_std_in_grpo",))
@@ -175,9 +197,9 @@ def compute_grpo_outcome_advantage(
     """
     check_number("epsilon", epsilon, "[0, inf)")
     check_flag("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
-    scores, n, total, sq_dev = _group_scores(token_level_rewards, response_mask, index)
+    scores, n, total, sq_dev = group_scores(token_level_rewards, response_mask, index)
     std = torch.where(n == 1, torch.ones_like(total), torch.sqrt(sq_dev / (n - 1).clamp(min=1)))
-    adv = scores - _group_mean(n, total)
+    adv = scores - group_mean(n, total)
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + epsilon)
     adv = adv.unsqueeze(-1) * response_mask
@@ -204,7 +226,7 @@ def compute_rloo_outcome_advantage(
     Returns:
         advantages, returns: both (batch, T).
     """
-    scores, n, total, _ = _group_scores(token_level_rewards, response_mask, index)
+    scores, n, total, _ = group_scores(token_level_rewards, response_mask, index)
     loo_mean = (total - scores) / (n - 1).clamp(min=1)
     adv = torch.where(n == 1, scores, scores - loo_mean)
     adv = adv.unsqueeze(-1) * response_mask

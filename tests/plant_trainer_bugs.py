@@ -202,7 +202,7 @@ BUGS += [  # the estimators and losses from verl 0.9's registry
     (
         "algorithms/verl_advantages.py",
         "REINFORCE++-baseline: no baseline",
-        "centred = scores - _group_mean(n, total)",
+        "centred = scores - group_mean(n, total)",
         "centred = scores",
     ),
     (

@@ -145,3 +145,8 @@ def test_rollout_is_metrics_are_verls(level, threshold):
     for k, v in want.items():
         assert got[f"rollout_corr/{k}"].item() == pytest.approx(v, rel=1e-7, abs=1e-12), k
     assert 0 < want["rollout_is_ratio_fraction_high"] < 1 or 0 < want["rollout_is_ratio_fraction_low"] < 1
+    # verl's rollout_is_batch_norm_factor: the mean weight, over tokens or over sequences
+    normalized = rollout_is_metrics(old, rollout, mask, threshold, level, batch_normalize=True)
+    factor = m if level == "token" else mean(seq)
+    assert set(normalized) - set(got) == {"rollout_corr/rollout_is_batch_norm_factor"}
+    assert normalized["rollout_corr/rollout_is_batch_norm_factor"].item() == pytest.approx(factor, rel=1e-7)

@@ -164,6 +164,8 @@ GOOD = {
         token_level_rewards=_x(1), reward_baselines=torch.randn(B), response_mask=_mask()
     ),
     "needs_critic": lambda: dict(adv_estimator="gae"),
+    "group_scores": lambda: dict(token_level_rewards=_x(1), response_mask=_mask(), index=["a", "a", "b"], min_valid=2),
+    "group_mean": lambda: dict(count=torch.tensor([2.0, 2.0, 1.0]), total=torch.tensor([0.5, 0.5, 3.0])),
     "compute_advantage": lambda: dict(
         data=dict(token_level_rewards=_x(1), response_mask=_mask(), index=["a", "a", "b"]),
         adv_estimator="grpo",
@@ -314,6 +316,7 @@ GOOD = {
     "compute_rollout_is_weights": lambda: dict(
         old_log_prob=_lp(1), rollout_log_prob=_lp(2), response_mask=_mask(), threshold=2.0
     ),
+    "is_batch_norm_factor": lambda: dict(rollout_is_weights=_x(4).abs(), response_mask=_mask(), level="sequence"),
 }
 INSTANCES = {
     "FixedKLController.update": lambda: kl.FixedKLController(0.1),

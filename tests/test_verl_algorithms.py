@@ -479,6 +479,37 @@ def ref_kl_cov(old, new, adv, mask, kl_cov_ratio, coef):
     return total / len(cov), top
 
 
+def verl_kl_cov_tokens(new, adv, mask, kl_cov_ratio):
+    """The tokens verl 0.9 penalises, transcribed from ``verl/trainer/ppo/core_algos.py``,
+    ``compute_policy_loss_kl_cov``: top-k over the valid tokens' covariances, computed on the CPU."""
+    all_valid = mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    all_valid_adv = adv[all_valid].detach().reshape(-1).cpu()
+    all_valid_logp = new[all_valid].detach().reshape(-1).cpu()
+    cov_lst_all = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
+    k_percent_nums = max(1, int(len(cov_lst_all) * kl_cov_ratio))
+    large_cov_idxs = all_valid_idx[torch.topk(cov_lst_all, k_percent_nums, largest=True).indices]
+    return {(int(i) // adv.shape[1], int(i) % adv.shape[1]) for i in large_cov_idxs}
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (8, 16), (16, 64)])
+def test_kl_cov_breaks_ties_as_verl_does(shape):
+    """Equal advantages make every covariance 0: which tokens carry the penalty is then top-k's
+    tie-breaking, over the valid tokens alone in verl (over the padded batch it picks others)."""
+    gen = torch.Generator().manual_seed(shape[1])
+    old = -torch.rand(shape, generator=gen) - 0.1
+    new = old + 0.3 * torch.randn(shape, generator=gen)
+    adv = torch.ones(shape)
+    mask = (torch.rand(shape, generator=gen) > 0.3).float()
+    mask[:, 0] = 1
+    loss, _ = compute_policy_loss_kl_cov(old, new, adv, mask, kl_cov_ratio=0.3, ppo_kl_coef=1.0)
+    top = verl_kl_cov_tokens(new, adv, mask, 0.3)
+    log_ratio = new - old
+    plain = -adv * log_ratio.exp() * mask
+    penalty = sum(log_ratio[i, j].abs() for i, j in top)
+    assert loss.item() == pytest.approx(((plain.sum() + penalty) / mask.sum()).item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_kl_cov_is_verls_and_penalises_the_top_covariance_tokens(seed):
     old, new, adv, mask = _loss_inputs(seed)

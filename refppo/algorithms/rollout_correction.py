@@ -12,6 +12,7 @@ import torch
 
 from refppo.functional import masked_mean, masked_sum
 from refppo.guards.checks import check_choice, check_flag, check_same_shape, check_values, checks_once
+from refppo.guards.inputs import check_loss_inputs
 
 SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp, so every weight stays finite
 # verl 0.9's rejection criteria: a divergence estimator (k1, k2, k3) per token, or its sum, mean or
@@ -96,15 +97,35 @@ def compute_rollout_is_weights(
         weights = raw.clamp(max=upper)
     else:
         weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
-    if batch_normalize:  # verl's means, with their 1e-8 in the denominators
-        if level == "token":
-            mean = masked_mean(weights, response_mask)
-        else:  # each response's weight once (the mean over its tokens), over the responses with tokens
-            per_row = masked_mean(weights, response_mask, axis=-1)
-            rows = (response_mask.sum(-1) > 0).to(weights.dtype)
-            mean = (per_row * rows).sum() / rows.sum().clamp(min=1e-8)
-        weights = torch.where(mean > 1e-8, weights / mean, weights)
+    if batch_normalize:
+        weights = weights / is_batch_norm_factor(weights, response_mask, level)
     return weights.detach()
+
+
+@checks_once
+def is_batch_norm_factor(rollout_is_weights: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
+    """What ``rollout_is_batch_normalize`` divides the importance weights by (verl 0.9's
+    ``rollout_is_batch_norm_factor``): their mean, over the valid tokens for ``token``, over the
+    responses for ``sequence`` (each response's weight once, the mean over its tokens; verl's 1e-8
+    in the counts), or 1 when that mean is at most 1e-8.
+
+    Args:
+        rollout_is_weights: (batch, T) truncated weights >= 0, before normalisation.
+        response_mask: (batch, T) 0/1.
+        level: "token" or "sequence".
+
+    Returns:
+        Scalar tensor.
+    """
+    check_choice("rollout_is level", level, ("token", "sequence"))
+    check_loss_inputs(response_mask, rollout_is_weights=rollout_is_weights)
+    if level == "token":
+        mean = masked_mean(rollout_is_weights, response_mask)
+    else:
+        per_row = masked_mean(rollout_is_weights, response_mask, axis=-1)
+        rows = (response_mask.sum(-1) > 0).to(rollout_is_weights.dtype)
+        mean = (per_row * rows).sum() / rows.sum().clamp(min=1e-8)
+    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
 
 def rs_thresholds(rollout_rs: str, threshold: str | float | None) -> dict[str, tuple[float | None, float]]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refppo.advantages import _group_mean, _group_scores, register_adv_est
+from refppo.advantages import group_mean, group_scores, register_adv_est
 from refppo.functional import masked_whiten
 from refppo.guards.checks import (
     check_flag,
@@ -44,8 +44,8 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     Returns:
         advantages, returns: both (batch, T), 0 at masked positions.
     """
-    scores, n, total, _ = _group_scores(token_level_rewards, response_mask, index, min_valid=2)
-    centred = scores - _group_mean(n, total)
+    scores, n, total, _ = group_scores(token_level_rewards, response_mask, index, min_valid=2)
+    centred = scores - group_mean(n, total)
     m = response_mask.to(centred.dtype)
     adv = masked_whiten(centred.unsqueeze(-1) * m, m) * m
     return adv, adv
@@ -69,9 +69,9 @@ def compute_gpg_outcome_advantage(
     Returns:
         advantages, returns: both (batch, T), the per-row advantage on every valid token.
     """
-    scores, n, total, _ = _group_scores(token_level_rewards, response_mask, index)
+    scores, n, total, _ = group_scores(token_level_rewards, response_mask, index)
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
-    adv = alpha * (scores - _group_mean(n, total))
+    adv = alpha * (scores - group_mean(n, total))
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 
@@ -141,7 +141,7 @@ def compute_opo_outcome_advantage(
     Returns:
         advantages, returns: both (batch, T), the per-row advantage on every valid token.
     """
-    scores, n, _, _ = _group_scores(token_level_rewards, response_mask, index)
+    scores, n, _, _ = group_scores(token_level_rewards, response_mask, index)
     lengths = response_mask.to(scores.dtype).sum(-1)
     weighted = _group_reduce(lengths * scores, index, "sum") / _group_reduce(lengths, index, "sum").clamp(min=1)
     adv = scores - torch.where(n == 1, torch.zeros_like(weighted), weighted)
@@ -175,7 +175,7 @@ def compute_grpo_passk_outcome_advantage(
     """
     check_number("epsilon", epsilon, "[0, inf)")
     check_flag("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
-    scores, n, _, sq_dev = _group_scores(token_level_rewards, response_mask, index)
+    scores, n, _, sq_dev = group_scores(token_level_rewards, response_mask, index)
     if bool((n < 2).any()):
         raise ValueError("grpo_passk compares each group's best response with its second: every group needs >= 2")
     best = _group_reduce(scores, index, "amax")

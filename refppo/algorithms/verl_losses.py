@@ -317,8 +317,9 @@ def compute_policy_loss_kl_cov(
     added on the tokens whose advantage and log-prob covary most (verl 0.9's ``kl_cov``).
 
     The max(1, int(kl_cov_ratio * valid tokens)) valid tokens of largest cov_t (as in
-    :func:`compute_policy_loss_clip_cov`, with no gradient) carry the penalty; the statistics are
-    those of the (micro-)batch given, as in verl.
+    :func:`compute_policy_loss_clip_cov`, with no gradient) carry the penalty, chosen as verl
+    chooses them (top-k over the valid tokens alone, on the CPU, so that ties fall as in verl); the
+    statistics are those of the (micro-)batch given, as in verl.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
@@ -336,10 +337,14 @@ def compute_policy_loss_kl_cov(
     check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = log_prob - old_log_prob
     valid = response_mask > 0
-    cov = _covariance(advantages, log_prob, response_mask).detach().masked_fill(~valid, -torch.inf)
-    count = min(max(1, int(valid.sum().item() * kl_cov_ratio)), int(valid.sum().item()))
+    # verl's selection, ties included: top-k over the valid tokens alone, their statistics on the CPU
+    valid_index = valid.flatten().nonzero().squeeze(-1)
+    adv = advantages[valid].detach().cpu()
+    logp = log_prob[valid].detach().cpu()
+    cov = (adv - adv.mean()) * (logp - logp.mean())
+    count = max(1, int(len(cov) * kl_cov_ratio))
     penalised = torch.zeros_like(valid).flatten()
-    penalised[torch.topk(cov.flatten(), count).indices] = True
+    penalised[valid_index[torch.topk(cov, count).indices.to(valid_index.device)]] = True
     pg_losses = -advantages * torch.exp(log_ratio) + ppo_kl_coef * log_ratio.abs() * penalised.view_as(valid)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from refppo.algorithms.rollout_correction import compute_rollout_is_weights, is_bounds
+from refppo.algorithms.rollout_correction import compute_rollout_is_weights, is_batch_norm_factor, is_bounds
 from refppo.functional import masked_mean, masked_var
 from refppo.guards.checks import check_same_shape, check_values
 from refppo.settings.config import Config
@@ -109,6 +109,7 @@ def rollout_is_metrics(
     response_mask: torch.Tensor,
     threshold: float,
     level: str,
+    batch_normalize: bool = False,
 ) -> dict[str, torch.Tensor]:
     """verl 0.9's statistics of the truncated importance weights (``compute_is_metrics``, before
     any batch normalisation), logged under ``rollout_corr/``.
@@ -118,6 +119,8 @@ def rollout_is_metrics(
         threshold: the truncation C (the low bound of the fractions is 1 / C), or IcePop's
             ``"lower_upper"`` (the fractions' bounds; ``rollout_is_oob_ratio`` is added).
         level: "token" or "sequence", as :func:`refppo.algorithms.rollout_correction.compute_rollout_is_weights`.
+        batch_normalize: ``rollout_is_batch_normalize``; adds ``rollout_is_batch_norm_factor``, what
+            the weights are divided by (:func:`refppo.algorithms.rollout_correction.is_batch_norm_factor`).
 
     Returns:
         Scalar tensors: ``rollout_is_mean``, ``_max``, ``_min`` (a sequence's from its unclamped
@@ -165,6 +168,8 @@ def rollout_is_metrics(
     }
     if lower is not None:  # IcePop: the share of weights it zeroed
         out["rollout_is_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).float(), mask)
+    if batch_normalize:
+        out["rollout_is_batch_norm_factor"] = is_batch_norm_factor(weights, mask, level)
     return {f"rollout_corr/{k}": v.detach() for k, v in out.items()}
 
 
@@ -232,8 +237,14 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
         )
         out |= offpolicy_metrics(old_lp, rollout_lp, sampled)
         if correction.rollout_is is not None:
-            threshold, level = correction.rollout_is_threshold, correction.rollout_is
-            out |= rollout_is_metrics(old_lp, rollout_lp, sampled, threshold, level)
+            out |= rollout_is_metrics(
+                old_lp,
+                rollout_lp,
+                sampled,
+                threshold=correction.rollout_is_threshold,
+                level=correction.rollout_is,
+                batch_normalize=correction.rollout_is_batch_normalize,
+            )
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
     for name, length, limit in (
         ("response_length", sampled.sum(-1).float(), config.data.max_response_length),
