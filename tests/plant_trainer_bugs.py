@@ -342,6 +342,7 @@ def main(tests: list[str]) -> None:
         for part in ("refppo", "tests", "benchmarks"):  # a test runs benchmarks/fsdp_memory.py
             shutil.copytree(ROOT / part, Path(tmp) / part)
         shutil.copy(ROOT / "pyproject.toml", tmp)
+        shutil.copy(ROOT / "conftest.py", tmp)  # one torch thread per pytest worker
         env = {**os.environ, "PYTHONPATH": tmp}
         where = subprocess.run(
             [sys.executable, "-c", "import refppo; print(refppo.__file__)"],

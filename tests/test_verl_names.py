@@ -497,3 +497,26 @@ def test_micro_batch_rows_beside_token_budgets_are_dropped_from_a_verl_line_with
     assert config.rollout.log_prob_micro_batch_size_per_gpu is None
     with pytest.raises(ValueError, match="read only with actor.use_dynamic_bsz=false"):
         command_settings("ppo", ["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=2"])
+
+
+def test_the_rollouts_lengths_are_datas_lengths():
+    """verl 0.9's ``actor_rollout_ref.rollout.prompt_length`` / ``response_length`` default to
+    ``data.max_prompt_length`` / ``max_response_length`` (``verl/trainer/config/rollout/rollout.yaml``)
+    and cap what the engine generates: refppo has one length of each, so they set data's, must
+    agree with it when both are given, and ``max_model_len`` is the engine's."""
+    config, notes = command_settings(
+        "ppo",
+        [
+            "actor_rollout_ref.rollout.prompt_length=16",
+            "actor_rollout_ref.rollout.response_length=12",
+            "actor_rollout_ref.rollout.max_model_len=4096",
+            "data.max_prompt_length=16",
+        ],
+    )
+    assert (config.data.max_prompt_length, config.data.max_response_length) == (16, 12)
+    assert "actor_rollout_ref.rollout.response_length=12 is refppo's data.max_response_length" in notes
+    assert any(
+        n.startswith("actor_rollout_ref.rollout.max_model_len=4096 is a setting of verl's engine") for n in notes
+    )
+    with pytest.raises(ValueError, match="rollout.response_length=12 and data.max_response_length=8: .* one length"):
+        command_settings("ppo", ["rollout.response_length=12", "data.max_response_length=8"])

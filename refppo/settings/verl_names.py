@@ -65,7 +65,7 @@ ENGINE = (
             "expert_parallel_size", "pipeline_model_parallel_size", "gpu_memory_utilization", "enforce_eager",
             "cudagraph_capture_sizes", "free_cache_engine", "max_num_batched_tokens", "max_num_seqs",
             "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "load_format", "layered_summon",
-            "disable_log_stats", "multi_stage_wake_up", "skip_tokenizer_init", "calculate_log_probs",
+            "disable_log_stats", "multi_stage_wake_up", "skip_tokenizer_init", "calculate_log_probs", "max_model_len",
             "checkpoint_engine.", "agent.", "trace.", "profiler.", "engine_kwargs.", "prometheus.",
         )
     ),
@@ -100,6 +100,12 @@ ENGINE = (
     "reward.num_workers", "algorithm.filter_groups.max_inflight_gen_batches",  # generation batches in flight
     "global_profiler.", "ray_kwargs.", "transfer_queue.",
 )  # fmt: skip
+# The rollout's lengths, which verl's engine reads and which default to data's: refppo has one
+# length of each, data's (the same setting when both are given, then they must agree).
+ROLLOUT_LENGTHS = {
+    "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length",
+    "actor_rollout_ref.rollout.response_length": "data.max_response_length",
+}
 # verl settings refppo does not implement: the value that turns each off (accepted, with a
 # note) and what is missing.
 MISSING = {
@@ -170,13 +176,16 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         ValueError: a renamed refppo setting (naming the new one), or a verl setting refppo does
             not implement given a value other than the one that turns it off.
     """
-    out, notes = [], []
+    out, notes, lengths = [], [], {}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip().lstrip("+")  # Hydra's "+key=value" adds a key verl's config lacks
         full = full_path(key)
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
+        if sep and full in ROLLOUT_LENGTHS:
+            lengths[ROLLOUT_LENGTHS[full]] = (key, text.strip())
+            continue
         if sep and _is_engine(full):
             notes.append(f"{key}={text} is a setting of verl's engine: it has no effect in refppo")
             continue
@@ -197,10 +206,29 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
             raise ValueError(f"{key}={text}: refppo does not implement {MISSING_CHOICES[name, _plain(text)]}")
         value = VALUES.get((name, _plain(text)), text) if sep else text
         out.append(f"{name}{sep}{value}")
+    out += _rollout_lengths(lengths, out, notes)
     keys = {item.partition("=")[0].strip() for item in out}
     if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
         out.append("data.task=file")
     return out, notes
+
+
+def _rollout_lengths(lengths: dict[str, tuple[str, str]], out: list[str], notes: list[str]) -> list[str]:
+    """The data lengths that verl's ``rollout.prompt_length`` / ``response_length`` give (their
+    refppo setting -> (verl's key, value)), checked against the same lengths in ``out``; a note for
+    each goes to ``notes``."""
+    given = {item.partition("=")[0].strip(): item.partition("=")[2].strip() for item in out}
+    added = []
+    for data_key, (key, text) in lengths.items():
+        if data_key in given and _plain(given[data_key]) != _plain(text):
+            raise ValueError(
+                f"{key}={text} and {data_key}={given[data_key]}: refppo generates and filters with one length, "
+                f"{data_key}; give the two the same value or drop {key}"
+            )
+        if data_key not in given:
+            added.append(f"{data_key}={text}")
+        notes.append(f"{key}={text} is refppo's {data_key}")
+    return added
 
 
 def is_verl_line(overrides: list[str]) -> bool:
