@@ -176,7 +176,9 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         ValueError: a renamed refppo setting (naming the new one), or a verl setting refppo does
             not implement given a value other than the one that turns it off.
     """
-    out, notes, lengths = [], [], {}
+    out = []
+    notes = []
+    lengths = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip().lstrip("+")  # Hydra's "+key=value" adds a key verl's config lacks
