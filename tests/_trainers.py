@@ -105,4 +105,5 @@ def minibatch_stats(trainer, batch, role):
     """The per-mini-batch stats of ``role``'s ("actor" or "critic") updates on ``batch``, as the
     trainer's update runs them (without the schedule's step)."""
     loss = trainer._actor_loss if role == "actor" else trainer._critic_loss
-    return minibatch_updates(batch, trainer.learners[role], loss, trainer.shuffle_gen, trainer.world)
+    settings = trainer._update_settings(role)
+    return minibatch_updates(batch, trainer.learners[role], settings, loss, trainer.shuffle_gen, trainer.world)

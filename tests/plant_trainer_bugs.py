@@ -63,8 +63,8 @@ BUGS = [
     (
         "training/update.py",
         "loss normalised over this process's rows (a per-rank mean)",
-        'weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], learner.loss_agg_mode)',
-        'weight = agg_loss_weight(mb["response_mask"], mine["response_mask"], learner.loss_agg_mode)',
+        'weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], settings.loss_agg_mode)',
+        'weight = agg_loss_weight(mb["response_mask"], mine["response_mask"], settings.loss_agg_mode)',
     ),
     (
         "distributed/__init__.py",

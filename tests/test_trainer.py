@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import math
 
@@ -6,8 +7,11 @@ import torch
 from _tolerances import reordered
 from _trainers import make_trainer, minibatch_stats
 
+from refppo import accel
 from refppo.rollout.forward import ForwardPasses
 from refppo.runs.folder import RunFolder, check_resume
+from refppo.settings.config import apply_overrides
+from refppo.settings.validate import validate
 from refppo.training.fit import fit
 from refppo.training.metrics import bar_fields
 from refppo.training.reward_fns import check_scores
@@ -426,3 +430,21 @@ def test_an_update_that_breaks_the_model_stops_the_run_naming_step_and_setting(r
     trainer.train_step()
     with pytest.raises(FloatingPointError, match=f"step 2: .*contains NaN or inf.*{role}.optim.lr"):
         trainer.train_step()
+
+
+def test_micro_batch_settings_changed_between_steps_reach_the_next_update():
+    """benchmarks/ab_step.py switches one trainer between variants by giving it another config and
+    its speed paths (``trainer.config``, ``trainer.accel``): each update reads how to split the
+    batch from them, as it is then."""
+    trainer = make_trainer()
+    sizes = []
+    actor_loss = trainer._actor_loss
+    trainer._actor_loss = lambda mb: sizes.append(mb["response_mask"].shape[0]) or actor_loss(mb)
+    trainer.train_step()
+    whole = set(sizes)
+    config = validate(apply_overrides(copy.deepcopy(trainer.config), ["actor.ppo_micro_batch_size_per_gpu=2"]))
+    trainer.config = config
+    trainer.accel = accel.select(config, trainer.device)
+    sizes.clear()
+    trainer.train_step()
+    assert whole != {2} and set(sizes) == {2}

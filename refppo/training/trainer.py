@@ -81,7 +81,7 @@ from refppo.training.dynamic_sampling import DynamicSampling
 from refppo.training.metrics import data_metrics, gather, peak_memory_gb, throughput_metrics, timer
 from refppo.training.optim import make_optimizer
 from refppo.training.reward_fns import RewardFn, check_scores, describe
-from refppo.training.update import Learner, minibatch_updates
+from refppo.training.update import Learner, UpdateSettings, minibatch_updates
 
 
 class PPOTrainer:
@@ -151,32 +151,35 @@ class PPOTrainer:
             distributed.shard(model, world)
         self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed)
         self.kl_ctrl = get_kl_controller(**vars(c.algorithm.kl_ctrl))
-        self.learners = {"actor": self._learner("actor", actor, self.accel.actor)}
+        self.learners = {"actor": self._learner("actor", actor)}
         if self.use_critic:
-            self.learners["critic"] = self._learner("critic", critic, self.accel.critic)
+            self.learners["critic"] = self._learner("critic", critic)
         self.shuffle_gen = torch.Generator().manual_seed(c.trainer.seed + 1)  # mini-batch order
         self.step = 0
         self.last_update_stats: list[dict[str, float]] = []  # per actor mini-batch, for inspection
 
-    def _learner(self, role: str, model, passes) -> Learner:
-        """``role``'s model ("actor" or "critic") with its optimiser, schedule and update settings
-        (the critic's unset ones fall back to the actor's, as in verl)."""
+    def _learner(self, role: str, model) -> Learner:
+        """``role``'s model ("actor" or "critic") with its optimiser and learning-rate schedule."""
         c = self.config
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, schedule = make_optimizer(params, getattr(c, role).optim, c.trainer.total_training_steps)
-        setting = (lambda name: getattr(c.actor, name)) if role == "actor" else (lambda name: critic_setting(c, name))
-        return Learner(
-            name=role,
-            model=model,
-            params=params,
-            optimizer=optimizer,
-            schedule=schedule,
+        return Learner(name=role, model=model, params=params, optimizer=optimizer, schedule=schedule)
+
+    def _update_settings(self, role: str) -> UpdateSettings:
+        """How ``role``'s update splits the batch, from the config and the speed paths as they are
+        now (the critic's unset settings fall back to the actor's, as in verl)."""
+        c = self.config
+
+        def setting(name: str):
+            return getattr(c.actor, name) if role == "actor" else critic_setting(c, name)
+
+        return UpdateSettings(
             epochs=setting("ppo_epochs"),
             mini_rows=setting("ppo_mini_batch_size") * c.rollout.n,
             micro_rows=getattr(c, role).ppo_micro_batch_size_per_gpu,
             loss_agg_mode=setting("loss_agg_mode"),
             grad_clip=getattr(c, role).grad_clip,
-            passes=passes,
+            passes=self.accel.actor if role == "actor" else self.accel.critic,
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -467,7 +470,8 @@ class PPOTrainer:
         it."""
         learner.model.train()
         with timer(timing, f"update_{learner.name}", self.device):
-            stats = minibatch_updates(batch, learner, micro_loss, self.shuffle_gen, self.world)
+            settings = self._update_settings(learner.name)
+            stats = minibatch_updates(batch, learner, settings, micro_loss, self.shuffle_gen, self.world)
         learner.model.eval()
         learner.schedule.step()
         lr = torch.tensor(learner.schedule.get_last_lr()[0])

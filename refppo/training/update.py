@@ -22,18 +22,12 @@ MAX_SKIPPED_UPDATES = 8
 
 @dataclass
 class Learner:
-    """One trained model and how its update splits a batch (the actor's or the critic's settings).
+    """One trained model, the actor or the critic, and what its updates keep from step to step.
 
     Attributes:
         name: "actor" or "critic", the stats' prefix.
         model, params, optimizer, schedule: the model, its trained parameters, their optimiser and
             learning-rate schedule.
-        epochs: ``ppo_epochs``.
-        mini_rows: rows per optimiser step (``ppo_mini_batch_size`` x ``rollout.n``).
-        micro_rows: rows per forward pass (``ppo_micro_batch_size_per_gpu``; None: the mini-batch).
-        loss_agg_mode, grad_clip: the model's settings.
-        passes: the forward passes of :mod:`refppo.accel`, whose ``micro_batches`` splits a
-            mini-batch (by rows, or by a token budget).
         skipped_in_a_row: updates skipped in a row for a non-finite gradient.
     """
 
@@ -42,23 +36,40 @@ class Learner:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
+    skipped_in_a_row: int = 0
+
+
+@dataclass
+class UpdateSettings:
+    """How one update splits the batch, read from the config for each update (a setting changed
+    between steps is taken at the next one).
+
+    Attributes:
+        epochs: ``ppo_epochs``.
+        mini_rows: rows per optimiser step (``ppo_mini_batch_size`` x ``rollout.n``).
+        micro_rows: rows per forward pass (``ppo_micro_batch_size_per_gpu``; None: the mini-batch).
+        loss_agg_mode, grad_clip: the model's settings.
+        passes: the forward passes of :mod:`refppo.accel`, whose ``micro_batches`` splits a
+            mini-batch (by rows, or by a token budget).
+    """
+
     epochs: int
     mini_rows: int
     micro_rows: int | None
     loss_agg_mode: str
     grad_clip: float
     passes: object
-    skipped_in_a_row: int = 0
 
 
 def minibatch_updates(
     batch: dict[str, torch.Tensor],
     learner: Learner,
+    settings: UpdateSettings,
     micro_loss: Callable,
     shuffle_gen: torch.Generator,
     world: World,
 ) -> list[dict[str, torch.Tensor]]:
-    """``learner.epochs`` x shuffled mini-batches of ``learner.mini_rows`` rows x micro-batches;
+    """``settings.epochs`` x shuffled mini-batches of ``settings.mini_rows`` rows x micro-batches;
     returns one dict of stats per mini-batch.
 
     Each micro-batch's loss is weighted so the accumulated gradient is the mini-batch loss's
@@ -69,8 +80,9 @@ def minibatch_updates(
     (:func:`count_skips`).
 
     Args:
-        batch: an evaluated batch, B rows (B a multiple of ``learner.mini_rows``).
-        learner: the model to update and its settings.
+        batch: an evaluated batch, B rows (B a multiple of ``settings.mini_rows``).
+        learner: the model to update.
+        settings: how its update splits the batch.
         micro_loss: micro-batch -> (loss scalar, {name: detached scalar}).
         shuffle_gen: the mini-batches' order, drawn again every epoch.
         world: the processes.
@@ -79,31 +91,31 @@ def minibatch_updates(
     device = batch["response_mask"].device
     per_mini = []
     with value_checks(False):  # evaluate checked the batch once; no host sync per micro-batch
-        for _ in range(learner.epochs):
+        for _ in range(settings.epochs):
             order = torch.randperm(rows, generator=shuffle_gen).to(device)
-            for idx in order.split(learner.mini_rows):
+            for idx in order.split(settings.mini_rows):
                 mini = {k: v[idx] for k, v in batch.items()}
                 mine = distributed.take_share(mini, world)
                 learner.optimizer.zero_grad(set_to_none=True)
                 stats: dict[str, torch.Tensor] = {}
-                for _, mb in learner.passes.micro_batches(mine, learner.micro_rows):
+                for _, mb in settings.passes.micro_batches(mine, settings.micro_rows):
                     loss, micro_stats = micro_loss(mb)
-                    weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], learner.loss_agg_mode)
+                    weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], settings.loss_agg_mode)
                     (loss * weight).backward()
                     share = mb["response_mask"].sum() / mini["response_mask"].sum()
                     for k, v in micro_stats.items():
                         stats[k] = stats.get(k, 0.0) + (weight if k in LOSS_STATS else share) * v
                 stats = distributed.sum_stats(stats, world)
-                stats |= optimizer_step(learner)
+                stats |= optimizer_step(learner, settings.grad_clip)
                 per_mini.append(stats)
     return per_mini
 
 
-def optimizer_step(learner: Learner) -> dict[str, torch.Tensor]:
-    """Clip ``learner``'s accumulated gradient and step its optimiser, or skip the step when the
+def optimizer_step(learner: Learner, grad_clip: float) -> dict[str, torch.Tensor]:
+    """Clip ``learner``'s accumulated gradient to norm ``grad_clip`` and step its optimiser, or skip the step when the
     gradient's norm is not finite (:func:`count_skips`); returns ``<name>/grad_norm`` and
     ``<name>/skipped_nonfinite_grad`` (scalars)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(learner.params, learner.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(learner.params, grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2's sharded gradients give a distributed norm
         grad_norm = grad_norm.full_tensor()
     finite = bool(torch.isfinite(grad_norm))
