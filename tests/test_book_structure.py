@@ -4,11 +4,19 @@
 - every exercise has one hint, then a solution, both folded (``:class: dropdown``), and every code
   cell of a solution is folded too (tagged ``hide-cell`` or ``hide-input``); a learner's check cell
   (untagged) comes before the folded solution code;
-- every chapter links the notation page.
+- every chapter links the notation page;
+- a write-it-yourself exercise (its title ends "yourself)") is not answered before the exercises:
+  the code a reader sees before them (code cells and literalincluded source) neither defines its
+  solution's functions, nor the function its statement checks against ("against `name`"), nor
+  repeats a run of its solution's code (as tokens, with every variable renamed).
 """
 
+import ast
+import io
 import json
+import keyword
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -18,6 +26,11 @@ NOTEBOOKS = sorted(BOOK.glob("*.ipynb"))
 CHAPTERS = [p for p in NOTEBOOKS if re.match(r"(ch\d|app)", p.name)]
 MAX_WORDS = 350
 FOLDED_TAGS = {"hide-cell", "hide-input"}
+WRITE_IT_YOURSELF = re.compile(r"\*\*Exercise (\d+) \([^*]*?yourself\)\.\*\*")
+# Tokens in a row that the solution may share with the code shown before the exercises: the
+# chapters' solutions share at most 12 with it (a loop header, a call); the code they asked for
+# shared 19 (chapter 8's best-of-n weights) and 42 (chapter 6's k3) before issue 65.
+SHARED_RUN = 15
 
 
 def cells(path: Path) -> list[dict]:
@@ -88,6 +101,117 @@ def exercise_problems(events: list[tuple[str, str]]) -> list[str]:
     return problems
 
 
+def literalinclude_text(directive: str, base: Path = BOOK) -> str:
+    """The source a ```{literalinclude}``` block shows: its file, cut to its :pyobject: (with the
+    decorators), then by :start-at: / :start-after: and :end-at: / :end-before:."""
+    head, *lines = directive.strip().splitlines()
+    options = dict(re.match(r":([\w-]+):\s*(.*)", line).groups() for line in lines if re.match(r":[\w-]+:", line))
+    options = {key: value.strip().strip("'\"") for key, value in options.items()}
+    text = (base / head.split("}", 1)[1].strip()).read_text()
+    shown = text.splitlines(keepends=True)
+    if "pyobject" in options:
+        nodes = ast.parse(text).body
+        for part in options["pyobject"].split("."):
+            node = next(n for n in nodes if getattr(n, "name", None) == part)
+            nodes = node.body
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        shown = shown[first - 1 : node.end_lineno]
+    for key, after in (("start-at", 0), ("start-after", 1)):
+        if key in options:
+            shown = shown[next(i for i, line in enumerate(shown) if options[key] in line) + after :]
+    for key, at in (("end-at", 1), ("end-before", 0)):
+        if key in options:
+            shown = shown[: next(i for i, line in enumerate(shown) if options[key] in line) + at]
+    return "".join(shown)
+
+
+def shown_before_exercises(nb_cells: list[dict], base: Path = BOOK) -> list[str]:
+    """The code a reader sees before the exercises: each code cell, and each literalincluded piece."""
+    pieces = []
+    for cell in nb_cells:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            if re.search(r"^## Exercises", source, re.M):
+                break
+            includes = re.findall(r"```\{literalinclude\}[^\n]*\n(?::[^\n]*\n)*", source)
+            pieces += [literalinclude_text(block, base) for block in includes]
+        elif cell["cell_type"] == "code":
+            pieces.append(source)
+    return pieces
+
+
+def write_it_yourself(nb_cells: list[dict]) -> list[tuple[str, dict[str, str], str | None]]:
+    """Each write-it-yourself exercise: its number, the functions its folded solution code defines
+    ({name: the function's code}), and the function its statement checks against, if it names one."""
+    found, current = [], None
+    for cell in nb_cells:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            if re.search(r"\*\*Exercise \d+", source):
+                current = None
+            title = WRITE_IT_YOURSELF.search(source)
+            if title:
+                statement = source[title.start() :].split("```{admonition}")[0]
+                reference = re.search(r"against\s+`([\w.]+)", statement)
+                current = (title.group(1), {}, reference and reference.group(1).rsplit(".", 1)[-1])
+                found.append(current)
+        elif current and FOLDED_TAGS & set(cell.get("metadata", {}).get("tags", [])):
+            for node in ast.parse(source).body:
+                if isinstance(node, ast.FunctionDef):
+                    current[1][node.name] = ast.get_source_segment(source, node)
+    return found
+
+
+def tokens(code: str) -> list[str]:
+    """Python tokens with every variable's name as "_" (attribute names and keywords kept) and every
+    string as "S", comments and layout dropped: the same code under other names gives the same list."""
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    out = []
+    for token in tokenize.generate_tokens(io.StringIO(code).readline):
+        if token.type in skip:
+            continue
+        word = token.string
+        if token.type == tokenize.NAME and not keyword.iskeyword(word) and out[-1:] != ["."]:
+            word = "_"
+        elif token.type == tokenize.STRING:
+            word = "S"
+        out.append(word)
+    return out
+
+
+def longest_shared_run(a: list[str], b: list[str]) -> int:
+    """The length of the longest run of tokens that a and b both contain."""
+    best, previous = 0, [0] * (len(b) + 1)
+    for x in a:
+        current = [0] * (len(b) + 1)
+        for j, y in enumerate(b):
+            if x == y:
+                current[j + 1] = previous[j] + 1
+                best = max(best, current[j + 1])
+        previous = current
+    return best
+
+
+def spoiled_exercises(nb_cells: list[dict], base: Path = BOOK) -> list[str]:
+    """What a reader sees before the exercises that a write-it-yourself exercise asks them to write."""
+    problems, shown = [], None
+    for number, functions, reference in write_it_yourself(nb_cells):
+        shown = shown if shown is not None else shown_before_exercises(nb_cells, base)
+        names = {reference} if reference else set()
+        for name, code in functions.items():
+            names |= {name, name.removeprefix("my_")}
+            body = tokens(code)[tokens(code).index(":") + 1 :]  # without the def line
+            run = max((longest_shared_run(body, tokens(piece)) for piece in shown), default=0)
+            if run >= SHARED_RUN:
+                problems.append(f"exercise {number}: {run} tokens of {name} are shown before the exercises")
+        for name in sorted(names):
+            if any(re.search(rf"\bdef {re.escape(name)}\(", piece) for piece in shown):
+                problems.append(f"exercise {number}: def {name}( is shown before the exercises")
+        if not functions:
+            problems.append(f"exercise {number}: its folded solution defines no function")
+    return problems
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_no_markdown_cell_is_a_wall(path):
     long = [(i, words("".join(c["source"]))) for i, c in enumerate(cells(path)) if c["cell_type"] == "markdown"]
@@ -99,6 +223,11 @@ def test_exercises_have_a_folded_hint_then_a_folded_solution(path):
     events = exercise_events(cells(path))
     assert any(kind == "exercise" for kind, _ in events), f"{path.name} has no exercises"
     assert exercise_problems(events) == []
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_write_it_yourself_exercises_are_not_answered_before(path):
+    assert spoiled_exercises(cells(path)) == []
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
@@ -122,3 +251,38 @@ def test_the_rules_catch_what_they_name():
     spoiler = [ok[0], ("code", "folded"), *ok[1:]]
     assert exercise_problems(spoiler) == ["exercise 1: code before the hint"]
     assert words("a b <!-- c d e --> f") == 3
+
+
+def test_the_spoiler_rule_catches_what_it_names(tmp_path):
+    def cell(kind, source, tags=()):
+        return {"cell_type": kind, "source": source, "metadata": {"tags": list(tags)}}
+
+    solution = (
+        "def my_sq(x):\n    total = 0\n    for value in x:\n"
+        "        total = total + value * value * 2 + value - 1\n    return total\n"
+    )
+    statement = "**Exercise 4 (write it yourself).** Write `my_sq`; checked against `pkg.sq`.\n"
+    exercise = [
+        cell("markdown", "## Exercises\n\n" + statement),
+        cell("markdown", "```{admonition} Hint\n:class: dropdown\nLoop.\n```\n"),
+        cell("code", solution + "check(my_sq)\n", ["hide-cell"]),
+    ]
+    assert write_it_yourself(exercise) == [("4", {"my_sq": solution.strip()}, "sq")]
+    assert spoiled_exercises([cell("code", "x = 1\n"), *exercise]) == []
+    # the same code under other names: the whole body (all but the def line's six tokens) is shared
+    renamed = solution.replace("my_sq", "helper").replace("total", "acc").replace("value", "v")
+    assert spoiled_exercises([cell("code", renamed), *exercise]) == [
+        f"exercise 4: {len(tokens(solution)) - 6} tokens of my_sq are shown before the exercises"
+    ]
+    assert spoiled_exercises([cell("code", "def sq(x):\n    return 0\n"), *exercise]) == [
+        "exercise 4: def sq( is shown before the exercises"
+    ]
+    (tmp_path / "pkg.py").write_text("import math\n\n\n@cache\ndef sq(x):\n    return x\n\n\ndef other():\n    pass\n")
+    include = "```{literalinclude} pkg.py\n:pyobject: sq\n```\n"
+    assert literalinclude_text(include, tmp_path) == "@cache\ndef sq(x):\n    return x\n"
+    cut = "```{literalinclude} pkg.py\n:start-at: import\n:end-before: '@cache'\n```\n"
+    assert literalinclude_text(cut, tmp_path) == "import math\n\n\n"
+    assert spoiled_exercises([cell("markdown", include), *exercise], tmp_path) == [
+        "exercise 4: def sq( is shown before the exercises"
+    ]
+    assert spoiled_exercises([cell("markdown", cut), *exercise], tmp_path) == []
