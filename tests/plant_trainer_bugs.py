@@ -40,8 +40,8 @@ BUGS = [
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     (
         "warm-up delays the actor without a critic",
-        "if not self.use_critic or self.step >= self.config.trainer.critic_warmup:",
-        "if self.step >= self.config.trainer.critic_warmup:",
+        "if not self.use_critic or self.step >= critic_only_steps(self.config.trainer.critic_warmup):",
+        "if self.step >= critic_only_steps(self.config.trainer.critic_warmup):",
     ),
     (
         "lr logged before the schedule's step",

@@ -101,7 +101,7 @@ def test_bad_values():
             ["actor.ppo_micro_batch_size_per_gpu=0"],
             r"actor.ppo_micro_batch_size_per_gpu=0 is outside its valid range \[1, inf\) \(or null\)",
         ),
-        (["trainer.total_training_steps=5"], "trainer.critic_warmup=5 must be < trainer.total_training_steps=5"),
+        (["trainer.total_training_steps=5"], "trainer.critic_warmup=6 must be <= trainer.total_training_steps=5"),
         (["actor.optim.lr=1e300"], r"actor.optim.lr=1e\+300 is outside its valid range \[0, 1e10\]"),
         (
             ["actor.clip_ratio_high=1e300"],

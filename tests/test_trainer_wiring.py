@@ -624,7 +624,7 @@ def test_kl_in_the_reward_reaches_the_critic_target_and_the_advantages_only():
 
 
 def test_critic_warmup_updates_only_the_critic_and_then_both():
-    trainer = make_trainer([*BATCH, "trainer.critic_warmup=2"])
+    trainer = make_trainer([*BATCH, "trainer.critic_warmup=3"])  # verl's count: 2 critic-only steps
     actor0 = [p.detach().clone() for p in trainer.learners["actor"].params]
     critic0 = [p.detach().clone() for p in trainer.learners["critic"].params]
     for step in range(3):

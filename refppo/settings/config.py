@@ -231,7 +231,7 @@ class ValKwargsConfig:
 
     top_k: int = setting(-1, "-1 or [1, inf)", needs=VAL_SAMPLING, resumable=True)
     top_p: float = setting(1.0, "(0, 1]", needs=VAL_SAMPLING, resumable=True)
-    # verl's engine decodes greedily at 0; refppo asks for do_sample=false instead
+    # 0: greedy, as verl's engine decodes at temperature 0 (n equal responses to each prompt)
     temperature: float = setting(0.0, f"0 or {TEMPERATURES}", needs=VAL_SAMPLING, resumable=True)
     n: int = setting(1, COUNT, needs=VAL_SAMPLING, resumable=True)
     do_sample: bool = setting(False, resumable=True)
@@ -396,15 +396,16 @@ class TrainerConfig:
     # steps between checkpoints (and one at the end); -1: only at the end
     save_freq: int = setting(100, "-1 or [1, inf)", resumable=True)
     test_freq: int = setting(100, "-1 or [1, inf)", resumable=True)  # steps between evaluations (val/*); -1: never
-    val_before_train: bool = setting(True, needs=EVALUATING, resumable=True)  # and one at step 0, the SFT level
+    # an evaluation at step 0, the SFT level, whatever test_freq says (verl's fit)
+    val_before_train: bool = setting(True, resumable=True)
     # validation responses written to val_generations.jsonl at each validation, chosen as verl does
     log_val_generations: int = setting(0, NONNEG, needs=EVALUATING, resumable=True)
     # continue the run in output_dir from its last checkpoint
     resume: bool = setting(False, resumable=True, unread_because="it saves no checkpoints")
-    # Steps that update only the critic, as verl's documentation defines it; verl's trainer
-    # (actor updated once critic_warmup <= global_steps, counted from 1) runs one fewer.
+    # verl's count: the actor is updated from step critic_warmup on (steps counted from 1), so
+    # critic_warmup - 1 steps update only the critic (critic_only_steps); 0 and 1 warm up nothing.
     # Without a critic there is nothing to warm up: the actor is updated from the first step.
-    critic_warmup: int = setting(5, NONNEG, needs=WARMUP)
+    critic_warmup: int = setting(6, NONNEG, needs=WARMUP)
     # verl's: the run also ends after this many passes over the training prompts (whole batches,
     # as verl's loader drops the last partial one); null: trainer.total_training_steps alone
     total_epochs: int | None = setting(None, COUNT, resumable=True)
@@ -414,6 +415,7 @@ class TrainerConfig:
     project_name: str = setting("refppo", commands=COMMANDS, resumable=True)  # wandb's project, MLflow's experiment
     experiment_name: str | None = setting(None, commands=COMMANDS, resumable=True)  # null: the run folder's name
     progress_bar: bool = setting(True, commands=COMMANDS, resumable=True)
+
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from refppo.advantages import needs_critic
 from refppo.algorithms.rollout_correction import is_bounds, rs_thresholds
 from refppo.guards.checks import in_range
+from refppo.settings.conditions import critic_only_steps
 from refppo.settings.config import ActorConfig, Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.settings.declare import Declaration, Site
 from refppo.tasks import arithmetic
@@ -215,12 +216,6 @@ def _check_dapo_and_validation(config: Config) -> None:
             rs_thresholds(alg.rollout_correction.rollout_rs, alg.rollout_correction.rollout_rs_threshold)
         except ValueError as error:
             raise ValueError(f"algorithm.rollout_correction.{error}") from None
-    kw = r.val_kwargs
-    _require(
-        not (t.test_freq > 0 and kw.do_sample and kw.temperature == 0),
-        "rollout.val_kwargs.do_sample=true samples at rollout.val_kwargs.temperature, which is 0: give a temperature "
-        "> 0 (verl's engine would decode greedily, which is rollout.val_kwargs.do_sample=false)",
-    )
 
 
 def _check_policy_loss(a: ActorConfig) -> None:
@@ -252,9 +247,9 @@ def _check_combinations(config: Config) -> None:
     t = config.trainer
     rm = config.reward_model
     _require(
-        not needs_critic(alg.adv_estimator) or t.critic_warmup < t.total_training_steps,
-        f"trainer.critic_warmup={t.critic_warmup} must be < trainer.total_training_steps={t.total_training_steps}: "
-        "the actor is updated only after the warm-up",
+        not needs_critic(alg.adv_estimator) or critic_only_steps(t.critic_warmup) < t.total_training_steps,
+        f"trainer.critic_warmup={t.critic_warmup} must be <= trainer.total_training_steps={t.total_training_steps}: "
+        "the actor is first updated at step critic_warmup",
     )
     _require(
         not (r.cuda_graphs and t.device == "cpu"),

@@ -18,7 +18,7 @@ Evaluate, without gradients
 
 Update
 
-7. the critic's, then 8. the actor's (with a critic, after ``trainer.critic_warmup`` steps):
+7. the critic's, then 8. the actor's (with a critic, from step ``trainer.critic_warmup`` on, as verl counts):
    ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a row count,
    or of a token budget with ``use_dynamic_bsz``), each model with its own optimiser, gradient
    clipping and LR schedule (:mod:`refppo.training.update`). Rows are reshuffled every epoch, as
@@ -74,6 +74,7 @@ from refppo.rollout.forward import compute_scores, response_values
 from refppo.rollout.generation import generate, row_uniforms
 from refppo.rollout.models import make_reference
 from refppo.rollout.prompts import decode_texts, tokenize_records
+from refppo.settings.conditions import critic_only_steps
 from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
 from refppo.training.data import EpochSampler
@@ -446,8 +447,8 @@ class PPOTrainer:
 
     # ---- update: steps 7 and 8 ------------------------------------------------------------
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
-        """Steps 7 and 8: the critic's update, then the actor's (with a critic, after
-        ``trainer.critic_warmup`` steps).
+        """Steps 7 and 8: the critic's update, then the actor's (with a critic, from step
+        ``trainer.critic_warmup`` on, counted from 1 as verl counts: :func:`critic_only_steps`).
 
         Args:
             batch: an evaluated batch (see :meth:`make_experience`).
@@ -460,7 +461,7 @@ class PPOTrainer:
         if self.use_critic:
             critic_stats = self.update_model(self.learners["critic"], self._critic_loss, batch, timing)
         actor_stats = []
-        if not self.use_critic or self.step >= self.config.trainer.critic_warmup:
+        if not self.use_critic or self.step >= critic_only_steps(self.config.trainer.critic_warmup):
             actor_stats = self.update_model(self.learners["actor"], self._actor_loss, batch, timing)
         return critic_stats, actor_stats
 

@@ -156,7 +156,10 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
     n, (values, texts) = 1, passes[""]
     if kw.do_sample:
         n = kw.n
-        batch = trainer.generate(records, n, True, first_row=first * n, stream=2, sampling=kw)
+        if kw.temperature == 0:  # verl's engine decodes greedily at temperature 0: n equal responses
+            batch = trainer.generate(records, n, do_sample=False, first_row=first * n, stream=2)
+        else:
+            batch = trainer.generate(records, n, do_sample=True, first_row=first * n, stream=2, sampling=kw)
         values, texts = _gathered(trainer, batch, [r for r in records for _ in range(n)], count * n, want_texts)
     sources = [r.get("data_source", c.data.task) for r in trainer.val_records for _ in range(n)]
     prompt_ids = [i for i in range(count) for _ in range(n)]
