@@ -193,7 +193,15 @@ def test_bad_values():
         ),
         (
             ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
-            "algorithm.rollout_correction.rollout_is=token is ignored: .*bypass_mode=false",
+            r"rollout_is=token with bypass_mode=true: verl 0.9's bypass loss \(compute_policy_loss_bypass_mode\)",
+        ),
+        (
+            [
+                "algorithm.rollout_correction.bypass_mode=true",
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            ],
+            r"rollout_rs=token_k1 with bypass_mode=true: verl 0.9's bypass loss \(compute_policy_loss_bypass_mode\)",
         ),
         (
             ["algorithm.rollout_correction.rollout_is=tokens"],

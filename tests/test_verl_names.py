@@ -520,3 +520,44 @@ def test_the_rollouts_lengths_are_datas_lengths():
     )
     with pytest.raises(ValueError, match="rollout.response_length=12 and data.max_response_length=8: .* one length"):
         command_settings("ppo", ["rollout.response_length=12", "data.max_response_length=8"])
+
+
+def test_a_verl_line_with_bypass_rejection_is_refused_not_dropped():
+    """verl 0.9's ``compute_policy_loss_bypass_mode`` (``verl/trainer/ppo/core_algos.py``) applies
+    ``rollout_rs``'s rejection mask inside the loss, as in
+    ``examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh``: dropping it as unread would
+    lose the rejection the line asks for."""
+    line = [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    ]
+    with pytest.raises(ValueError, match="rollout_rs=token_k1 with bypass_mode=true: verl 0.9's bypass loss"):
+        command_settings("ppo", line)
+    with_weights = [
+        *line,
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0",
+    ]
+    with pytest.raises(ValueError, match="rollout_is=token with bypass_mode=true: verl 0.9's bypass loss"):
+        command_settings("ppo", with_weights)
+
+
+def test_token_budgets_take_the_sequence_parallel_size():
+    """verl 0.9's ``prepare_micro_batches`` (``verl/workers/engine/utils.py``) fills a micro-batch
+    up to ``max_token_len_per_gpu * sp_size`` tokens; refppo, one process per sequence, takes the
+    product as its budget (examples/grpo_trainer/run_qwen3_next_80b_a3b_fsdp.sh: 2816 x 8)."""
+    line = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2816",
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=8",
+        "critic.use_dynamic_bsz=true",
+        "critic.ppo_max_token_len_per_gpu=2000",
+    ]
+    config, notes = command_settings("ppo", line)
+    assert config.actor.ppo_max_token_len_per_gpu == 2816 * 8
+    assert config.critic.ppo_max_token_len_per_gpu == 2000, "the critic's own size, 1, is not the actor's"
+    assert any("Ulysses sequence-parallel size of 8: verl's micro-batches hold 22528 tokens" in n for n in notes)
+    config, _ = command_settings("ppo", [*line, "critic.ulysses_sequence_parallel_size=2"])
+    assert config.critic.ppo_max_token_len_per_gpu == 4000

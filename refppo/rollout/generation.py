@@ -171,7 +171,8 @@ def generate(
     """
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n)
-    device, cache_key = model.device, cache_argument(model)
+    device = model.device
+    cache_key = cache_argument(model)
     prompts = prompts.to(device).repeat_interleave(n, dim=0)
     prompt_mask = attention_mask.to(device).long().repeat_interleave(n, dim=0)
     rows, width = prompts.shape
@@ -189,7 +190,9 @@ def generate(
     eos_ids = torch.tensor(eos, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     hit_eos = torch.zeros_like(done)
-    tokens, valid, log_probs = [], [], []
+    tokens = []
+    valid = []
+    log_probs = []
     # 1. prefill: the prompts in one pass, filling the cache; only the last position's logits
     with autocast(device):
         out = model(

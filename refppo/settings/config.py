@@ -89,9 +89,12 @@ DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 COMMANDS = ("sft", "rm", "ppo")
 # Numeric ranges in interval notation ("inf)" excludes infinity; NaN is in no range).
-POSITIVE, COUNT, NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
+POSITIVE = "(0, inf)"
+COUNT = "[1, inf)"
+NONNEG = "[0, inf)"
 # Adam's step, up to lr / (1 - beta1) with beta1 < 1 in float64 (a factor below 1e16), must stay a float32
-RATE, POSITIVE_RATE = "[0, 1e10]", "(0, 1e10]"
+RATE = "[0, 1e10]"
+POSITIVE_RATE = "(0, 1e10]"
 
 
 # ---- the settings ------------------------------------------------------------------------
@@ -343,15 +346,16 @@ class RolloutCorrectionConfig:
     pi_old / pi_rollout, of the token or of the whole sequence
     (:func:`refppo.algorithms.rollout_correction.compute_rollout_is_weights`)."""
 
-    # null: no weights. In bypass mode the PPO ratio is already against the sampler, so verl
-    # computes the weights there for its metrics only: refppo refuses them.
-    rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS, needs=OLD_LOG_PROB_PASS)
+    # null: no weights. Refused in bypass mode with rollout_rs below: verl's bypass loss computes
+    # both against the policy being updated (the weights for its metrics with loss_type=ppo_clip, in
+    # the loss with reinforce; the rejection in both), which refppo does not implement.
+    rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS)
     # the weights' truncation C, or "lower_upper": IcePop's bounds outside which a weight is 0
     rollout_is_threshold: float | str = setting(2.0, "(0, inf]", needs=IS_WEIGHTS)
     rollout_is_batch_normalize: bool = setting(False, needs=IS_WEIGHTS)  # divide by their batch mean
     # rejection sampling: comma-separated criteria (refppo.algorithms.rollout_correction.RS_OPTIONS) and their
     # bounds, one for all or one each ("0.5_2.0" bounds a k1 ratio; the others take an upper bound)
-    rollout_rs: str | None = setting(None, needs=OLD_LOG_PROB_PASS)
+    rollout_rs: str | None = setting(None)
     rollout_rs_threshold: str | None = setting(None, needs=REJECTING)
     bypass_mode: bool = setting(False)
 
@@ -415,7 +419,6 @@ class TrainerConfig:
     project_name: str = setting("refppo", commands=COMMANDS, resumable=True)  # wandb's project, MLflow's experiment
     experiment_name: str | None = setting(None, commands=COMMANDS, resumable=True)  # null: the run folder's name
     progress_bar: bool = setting(True, commands=COMMANDS, resumable=True)
-
 
 
 @dataclass

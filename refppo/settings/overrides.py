@@ -19,7 +19,9 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
         config: the settings after the overrides.
         overrides: the ``key=value`` texts given.
     """
-    declared, read, ignored = declarations(config), read_settings(command, config), ignored_settings(config, command)
+    declared = declarations(config)
+    read = read_settings(command, config)
+    ignored = ignored_settings(config, command)
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key in ignored:

@@ -126,7 +126,9 @@ def _check_values(config: Config) -> None:
 def _check_batches(config: Config) -> None:
     """Mini-batches divide the batch, micro-batches the mini-batch; a token budget replaces row
     counts and holds the longest sequence."""
-    d, a, r = config.data, config.actor, config.rollout
+    d = config.data
+    a = config.actor
+    r = config.rollout
     for role, mini, micro in [
         ("actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
         ("critic", critic_setting(config, "ppo_mini_batch_size"), config.critic.ppo_micro_batch_size_per_gpu),
@@ -188,8 +190,11 @@ def _check_tiny_model(m) -> None:
 
 def _check_dapo_and_validation(config: Config) -> None:
     """DAPO's settings (dynamic sampling, overlong shaping), rejection sampling and validation sampling."""
-    d, r, alg, t, rm = config.data, config.rollout, config.algorithm, config.trainer, config.reward_model
-    fg, buffer = alg.filter_groups, rm.overlong_buffer
+    d = config.data
+    alg = config.algorithm
+    rm = config.reward_model
+    fg = alg.filter_groups
+    buffer = rm.overlong_buffer
     _require(
         not fg.enable or fg.metric is not None,
         "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (acc, score, seq_reward or "
@@ -211,6 +216,15 @@ def _check_dapo_and_validation(config: Config) -> None:
             is_bounds(alg.rollout_correction.rollout_is_threshold)
         except ValueError as error:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_{error}") from None
+    rc = alg.rollout_correction
+    for key in ("rollout_is", "rollout_rs"):
+        _require(
+            not (rc.bypass_mode and getattr(rc, key) is not None),
+            f"algorithm.rollout_correction.{key}={getattr(rc, key)} with bypass_mode=true: verl 0.9's bypass loss "
+            "(compute_policy_loss_bypass_mode) computes the weights and the rejection inside the loss, against the "
+            "policy being updated, which refppo does not implement; without bypass_mode they are computed against "
+            "pi_old before the advantages",
+        )
     if alg.rollout_correction.rollout_rs is not None:
         try:
             rs_thresholds(alg.rollout_correction.rollout_rs, alg.rollout_correction.rollout_rs_threshold)

@@ -127,6 +127,7 @@ MISSING = {
 
 # values of verl 0.9's registries that refppo does not implement: what each is missing
 MISSING_CHOICES = {
+    ("trainer.device", "npu"): "Ascend NPUs (it runs on CPUs and CUDA GPUs)",
     ("algorithm.adv_estimator", "gdpo"): "GDPO's normalisation of each reward component (it needs several reward keys)",
     ("algorithm.adv_estimator", "optimal_token_baseline"): "the optimal token baseline (it needs each token's "
     "sum of squared probabilities)",
@@ -160,6 +161,44 @@ def _is_engine(full: str) -> bool:
 def _plain(text: str) -> str:
     """An override's value as verl's Hydra reads it, for comparing: no quotes, lower case."""
     return text.strip().strip("'\"").lower().replace("none", "null")
+
+
+# verl's token budget per micro-batch is max_token_len_per_gpu times the model's Ulysses
+# sequence-parallel size (prepare_micro_batches in verl/workers/engine/utils.py): the ranks of a
+# group share each sequence. refppo gives each sequence one process, so its budget is the product.
+SEQUENCE_PARALLEL = {
+    "actor.ppo_max_token_len_per_gpu": (
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    ),
+    "critic.ppo_max_token_len_per_gpu": (
+        "critic.fsdp.ulysses_sequence_parallel_size",
+        "critic.ulysses_sequence_parallel_size",
+    ),
+}
+
+
+def _sequence_parallel_budgets(translated: list[str], line: list[str], notes: list[str]) -> list[str]:
+    """``translated`` (refppo's keys) with each token budget multiplied by its model's Ulysses size
+    on the verl command ``line`` (:data:`SEQUENCE_PARALLEL`); a note for each goes to ``notes``."""
+    given = {}
+    for item in line:
+        key, _, text = item.partition("=")
+        given[full_path(key.strip().lstrip("+"))] = text.strip()
+    out = []
+    for item in translated:
+        key, sep, text = item.partition("=")
+        sizes = [given[k] for k in SEQUENCE_PARALLEL.get(key.strip(), ()) if k in given]
+        if not sep or not sizes or int(_plain(sizes[0])) == 1:
+            out.append(item)
+            continue
+        budget = int(_plain(text)) * int(_plain(sizes[0]))
+        notes.append(
+            f"{key}={text} with a Ulysses sequence-parallel size of {_plain(sizes[0])}: verl's micro-batches hold "
+            f"{budget} tokens, and so do refppo's"
+        )
+        out.append(f"{key}={budget}")
+    return out
 
 
 def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -209,6 +248,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         value = VALUES.get((name, _plain(text)), text) if sep else text
         out.append(f"{name}{sep}{value}")
     out += _rollout_lengths(lengths, out, notes)
+    out = _sequence_parallel_budgets(out, overrides, notes)
     keys = {item.partition("=")[0].strip() for item in out}
     if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
         out.append("data.task=file")

@@ -28,8 +28,11 @@ class EpochSampler:
     def __init__(self, records: list[dict], batch_size: int, seed: int):
         if not records:
             raise ValueError("the dataset is empty")
-        self.records, self.batch_size, self.seed = records, batch_size, seed
-        self.epoch, self.cursor = 0, 0
+        self.records = records
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.cursor = 0
 
     def _order(self) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -53,7 +56,8 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict`."""
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.epoch = state["epoch"]
+        self.cursor = state["cursor"]
 
 
 def read_records(path: str) -> list[tuple[str, dict]]:
