@@ -467,3 +467,9 @@ def test_micro_batch_settings_changed_between_steps_reach_the_next_update():
     sizes.clear()
     trainer.train_step()
     assert whole != {2} and set(sizes) == {2}
+
+
+def test_data_shuffle_false_takes_the_prompts_in_order():
+    trainer = make_trainer(["data.shuffle=false"])
+    records = trainer.sampler.records
+    assert trainer.sampler.next_batch() == records[:16]

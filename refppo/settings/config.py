@@ -118,6 +118,9 @@ class DataConfig:
     chosen_key: str = setting("chosen", commands=("rm",), needs=FILE_TASK)
     rejected_key: str = setting("rejected", commands=("rm",), needs=FILE_TASK)
     train_batch_size: int = setting(64, COUNT)  # prompts per step
+    # each epoch's prompts in a seeded random order; false: in the files' order (verl's
+    # SequentialSampler, create_rl_sampler in verl/trainer/ppo/utils.py)
+    shuffle: bool = setting(True)
     # prompts evaluated (arithmetic's are held out of training; preference has only 56); SFT scores
     # one greedy response to each, within the two length limits
     val_size: int = setting(200, COUNT, commands=("sft", "ppo"), needs=EVALUATION_PROMPTS)

@@ -39,6 +39,7 @@ PRELUDE = "ulimit() { :; }\n"
 USER_SET = {
     "HDFS_ROOT": "/data",
     "DATA_ROOT": "/data",
+    "CKPT_DIR": "/data/checkpoints",
     "RAY_DATA_HOME": "/data",
     "INFER_BACKEND": "vllm",
     "LORA_ADAPTER_PATH": "/data/lora_adapter",
