@@ -15,7 +15,7 @@ from refppo.settings.validate import validate
 from refppo.training.fit import fit
 from refppo.training.metrics import bar_fields
 from refppo.training.reward_fns import check_scores
-from refppo.training.update import MAX_SKIPPED_UPDATES, count_skips
+from refppo.training.update import MAX_SKIPPED_UPDATES, LossTerm, count_skips
 
 
 def _run(trainer, steps):
@@ -284,7 +284,7 @@ def test_nonfinite_gradient_skips_the_step():
     batch = {"response_mask": torch.ones(16, 3)}
     param = trainer.learners["actor"].params[0]
     before = param.detach().clone()
-    trainer._actor_loss = lambda mb: ((param.sum() * float("nan")), {})
+    trainer._actor_loss = lambda mb: ({"actor/pg_loss": LossTerm(param.sum() * float("nan"), "token-mean")}, {})
     stats = minibatch_stats(trainer, batch, "actor")
     assert torch.equal(param.detach(), before)
     assert all(s["actor/skipped_nonfinite_grad"] == 1.0 for s in stats)

@@ -41,6 +41,7 @@ from refppo.runs.sizes import (
 )
 from refppo.settings.config import COMMANDS, Config, declarations, get_value
 from refppo.settings.declare import check_once
+from refppo.settings.hydra_line import hydra_settings, split_config_options
 from refppo.settings.overrides import command_settings
 from refppo.settings.validate import format_value, ignored_settings, read_settings, valid_text, validate
 from refppo.settings.verl_map import verl_command
@@ -362,7 +363,8 @@ def entry() -> int:
     world = launched_world()
     try:
         if sys.argv[1:2] and sys.argv[1] in COMMANDS:
-            check_once(translate(sys.argv[2:])[0])  # in refppo's spelling: one setting, two names
+            # in refppo's spelling: one setting, two names (a configuration file's, then overridden, is not)
+            check_once(translate(hydra_settings(split_config_options(sys.argv[2:])[1])[0])[0])
         return main(on_start=lambda: started.append(True))
     except (ValueError, OSError, ImportError) as error:
         if started or not _raised_by_refppo(error):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from refppo.settings.config import Config, apply_overrides, declarations
+from refppo.settings.hydra_line import hydra_settings
 from refppo.settings.validate import ignored_message, ignored_settings, read_settings, validate
 from refppo.settings.verl_map import verl_line_defaults
 from refppo.settings.verl_names import is_verl_line, translate
@@ -40,10 +41,13 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
 
 
 def command_settings(command: str, given: list[str]) -> tuple[Config, list[str]]:
-    """The settings of ``refppo <command> <given>`` (in refppo's or verl's spelling), checked, and
-    the notes to print: verl's engine settings, and, from a verl command line, the settings verl
-    too would leave unread in its configuration, which refppo then drops instead of refusing."""
-    overrides, notes = translate(given)
+    """The settings of ``refppo <command> <given>`` (in refppo's or verl's spelling, in Hydra's
+    grammar: :mod:`refppo.settings.hydra_line`), checked, and the notes to print: verl's engine
+    settings, and, from a verl command line, the settings verl too would leave unread in its
+    configuration, which refppo then drops instead of refusing."""
+    given, notes = hydra_settings(given)
+    overrides, verl_notes = translate(given)
+    notes += verl_notes
 
     def fresh() -> Config:
         config = Config()

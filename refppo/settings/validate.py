@@ -235,11 +235,6 @@ def _check_dapo_and_validation(config: Config) -> None:
 def _check_policy_loss(a: ActorConfig) -> None:
     """A policy loss's own settings, which it cannot work without."""
     _require(
-        a.policy_loss not in ("gspo", "sapo", "geo_mean") or a.loss_agg_mode == "seq-mean-token-mean",
-        f"actor.policy_loss={a.policy_loss} averages its loss over each sequence, then over the sequences (verl "
-        "does so whatever its loss_agg_mode says): set actor.loss_agg_mode=seq-mean-token-mean",
-    )
-    _require(
         a.policy_loss != "dro" or a.dro_beta is not None,
         "actor.policy_loss=dro needs actor.dro_beta (verl's actor.policy_loss.dro_beta), a number > 0",
     )
