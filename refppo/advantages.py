@@ -114,7 +114,9 @@ def compute_gae_advantage_return(
         returns: (batch, T) raw advantages + values, the critic's targets.
     """
     r, v, m = checked_gae_inputs(token_level_rewards, values, response_mask, gamma, lam)
-    next_value, last_gae, reversed_advantages = 0.0, 0.0, []
+    next_value = 0.0
+    last_gae = 0.0
+    reversed_advantages = []
     for t in reversed(range(r.shape[1])):
         delta = r[:, t] + gamma * next_value - v[:, t]
         gae = delta + gamma * lam * last_gae
@@ -255,7 +257,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
         returns: (batch, T) G_t at valid positions, 0 elsewhere.
     """
     r, m = checked_return_inputs(token_level_rewards, response_mask, gamma)
-    running, returns = 0.0, torch.zeros_like(r)
+    running = 0.0
+    returns = torch.zeros_like(r)
     for t in reversed(range(r.shape[1])):
         g = r[:, t] + gamma * running
         returns[:, t] = g * m[:, t]

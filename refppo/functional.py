@@ -103,7 +103,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """
     check_flag("shift_mean", shift_mean)
     check_masked(values, mask, min_valid=2)
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean

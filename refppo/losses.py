@@ -358,7 +358,8 @@ def compute_value_loss(
     check_loss_inputs(response_mask, vpreds=vpreds, returns=returns, values=values)
     vf_losses1 = (vpreds - returns) ** 2
     if cliprange_value is None:
-        clipped_vf_losses, vf_clipfrac = vf_losses1, torch.zeros((), device=vpreds.device)
+        clipped_vf_losses = vf_losses1
+        vf_clipfrac = torch.zeros((), device=vpreds.device)
     else:
         vpredclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
         vf_losses2 = (vpredclipped - returns) ** 2

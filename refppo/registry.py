@@ -29,8 +29,11 @@ class Registry:
         self.inputs = inputs
         self._fns: dict[str, Callable] = {}
         self._reads: dict[str, tuple[str, ...] | None] = {}
+        self._aggregates: dict[str, str | None] = {}
 
-    def register(self, *names: str, reads: tuple[str, ...] | None = None) -> Callable[[Callable], Callable]:
+    def register(
+        self, *names: str, reads: tuple[str, ...] | None = None, aggregates: str | None = None
+    ) -> Callable[[Callable], Callable]:
         """Decorator: register a function under one or more names (aliases).
 
         Args:
@@ -38,6 +41,8 @@ class Registry:
             reads: the settings it reads from its ``config``, by their names in the config's section
                 (e.g. ``("clip_ratio", "clip_ratio_low")``); None (a function that does not say)
                 lets every such setting through.
+            aggregates: for a loss that aggregates with one mode whatever ``loss_agg_mode`` it is
+                given (verl's GSPO, SAPO, GMPO), that mode; None: the mode it is given.
         """
 
         def decorator(fn: Callable) -> Callable:
@@ -55,6 +60,7 @@ class Registry:
             for name in names:
                 self._fns[name] = fn
                 self._reads[name] = reads
+                self._aggregates[name] = aggregates
             return fn
 
         return decorator
@@ -73,6 +79,11 @@ class Registry:
         self.get(name)
         declared = self._reads[name]
         return declared is None or setting in declared
+
+    def aggregation(self, name: str, loss_agg_mode: str) -> str:
+        """The mode the loss registered as ``name`` aggregates with when given ``loss_agg_mode``."""
+        self.get(name)
+        return self._aggregates[name] or loss_agg_mode
 
     def readers(self, setting: str) -> tuple[str, ...]:
         """The names whose functions declare that they read ``setting``."""

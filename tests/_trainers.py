@@ -107,3 +107,9 @@ def minibatch_stats(trainer, batch, role):
     loss = trainer._actor_loss if role == "actor" else trainer._critic_loss
     settings = trainer._update_settings(role)
     return minibatch_updates(batch, trainer.learners[role], settings, loss, trainer.shuffle_gen, trainer.world)
+
+
+def micro_batch_loss(terms):
+    """The loss a micro-batch that is its whole mini-batch contributes: each term's coefficient
+    times its value (every mode's weight is 1 there)."""
+    return sum(term.coefficient * term.value for term in terms.values())

@@ -40,8 +40,8 @@ BUGS = [
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     (
         "warm-up delays the actor without a critic",
-        "if not self.use_critic or self.step >= self.config.trainer.critic_warmup:",
-        "if self.step >= self.config.trainer.critic_warmup:",
+        "if not self.use_critic or self.step >= critic_only_steps(self.config.trainer.critic_warmup):",
+        "if self.step >= critic_only_steps(self.config.trainer.critic_warmup):",
     ),
     (
         "lr logged before the schedule's step",
@@ -59,12 +59,17 @@ BUGS = [
         'read = ("old_log_probs", "ref_log_prob",',
         'read = ("unchecked", "ref_log_prob",',
     ),
-    ("training/update.py", "micro-batch losses not weighted", "(loss * weight).backward()", "loss.backward()"),
+    (
+        "training/update.py",
+        "micro-batch losses not weighted",
+        "loss = loss + term.coefficient * weight * term.value",
+        "loss = loss + term.coefficient * term.value",
+    ),
     (
         "training/update.py",
         "loss normalised over this process's rows (a per-rank mean)",
-        'weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], settings.loss_agg_mode)',
-        'weight = agg_loss_weight(mb["response_mask"], mine["response_mask"], settings.loss_agg_mode)',
+        'weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], term.mode)',
+        'weight = agg_loss_weight(mb["response_mask"], mine["response_mask"], term.mode)',
     ),
     (
         "distributed/__init__.py",
@@ -86,13 +91,13 @@ BUGS = [
     (
         "training/update.py",
         "logged losses weighted by token share",
-        "(weight if k in LOSS_STATS else share) * v",
-        "share * v",
+        "stats[name] = stats.get(name, 0.0) + weight * term.value.detach()",
+        "stats[name] = stats.get(name, 0.0) + share * term.value.detach()",
     ),
     (
         "temperature ignored in the update",
-        "log_probs(self.actor, mb, temperature, bonus",
-        "log_probs(self.actor, mb, 1.0, bonus",
+        "log_probs(self.actor, mb, temperature, with_entropy",
+        "log_probs(self.actor, mb, 1.0, with_entropy",
     ),
     (
         "policy loss on the rollout's log-probs",
@@ -102,8 +107,8 @@ BUGS = [
     ("policy loss on the returns", 'advantages=mb["advantages"]', 'advantages=mb["returns"]'),
     (
         "entropy bonus with the wrong sign",
-        "loss = loss - a.entropy_coeff * entropy_loss",
-        "loss = loss + a.entropy_coeff * entropy_loss",
+        "coefficient=-a.entropy_coeff",
+        "coefficient=a.entropy_coeff",
     ),
     (
         "KL loss on the old log-probs (no gradient)",
@@ -261,8 +266,8 @@ BUGS += [  # token-budget micro-batches (use_dynamic_bsz)
     (
         "accel/token_budget.py",
         "trimming cuts the last response token",
-        "cut, keep = width_p - prompt_keep, response_keep",
-        "cut, keep = width_p - prompt_keep, max(response_keep - 1, 1)",
+        "keep = response_keep",
+        "keep = max(response_keep - 1, 1)",
     ),
     (
         "accel/token_budget.py",

@@ -101,7 +101,7 @@ def test_bad_values():
             ["actor.ppo_micro_batch_size_per_gpu=0"],
             r"actor.ppo_micro_batch_size_per_gpu=0 is outside its valid range \[1, inf\) \(or null\)",
         ),
-        (["trainer.total_training_steps=5"], "trainer.critic_warmup=5 must be < trainer.total_training_steps=5"),
+        (["trainer.total_training_steps=5"], "trainer.critic_warmup=6 must be <= trainer.total_training_steps=5"),
         (["actor.optim.lr=1e300"], r"actor.optim.lr=1e\+300 is outside its valid range \[0, 1e10\]"),
         (
             ["actor.clip_ratio_high=1e300"],
@@ -193,7 +193,15 @@ def test_bad_values():
         ),
         (
             ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
-            "algorithm.rollout_correction.rollout_is=token is ignored: .*bypass_mode=false",
+            r"rollout_is=token with bypass_mode=true: verl 0.9's bypass loss \(compute_policy_loss_bypass_mode\)",
+        ),
+        (
+            [
+                "algorithm.rollout_correction.bypass_mode=true",
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            ],
+            r"rollout_rs=token_k1 with bypass_mode=true: verl 0.9's bypass loss \(compute_policy_loss_bypass_mode\)",
         ),
         (
             ["algorithm.rollout_correction.rollout_is=tokens"],

@@ -18,6 +18,14 @@ def test_epoch_sampler_epochs_and_state():
         EpochSampler([], 4, 0)
 
 
+def test_an_unshuffled_sampler_serves_the_records_in_order():
+    """verl 0.9's ``create_rl_sampler`` (``verl/trainer/ppo/utils.py``) takes a ``SequentialSampler``
+    with ``data.shuffle=false``: every epoch in the dataset's order."""
+    sampler = EpochSampler([{"i": i} for i in range(10)], 4, seed=0, shuffle=False)
+    seen = [r["i"] for _ in range(5) for r in sampler.next_batch()]
+    assert seen == list(range(10)) * 2
+
+
 # verl's data format (e.g. its gsm8k preprocessing): the prompt is a chat, the answer in a struct.
 CHAT_RECORDS = [
     {

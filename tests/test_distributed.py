@@ -232,6 +232,7 @@ def test_a_killed_rank_stops_the_run_and_two_processes_resume_on_one(workdir):
         "trainer.total_training_steps=4",
         "trainer.save_freq=1",
         "trainer.test_freq=-1",  # one reward call a step
+        "trainer.val_before_train=false",
     ]
     whole, broken = workdir / "whole", workdir / "broken"
     launch(workdir, "ppo", [*overrides, f"trainer.output_dir={whole}"], 2)

@@ -80,7 +80,7 @@ def test_the_critic_warm_up_is_not_judged():
     for r in rows:
         if r["step"] > 40:
             r["critic/vf_explained_var"] = 0.1
-    assert diagnose(rows, config(["trainer.critic_warmup=40"])) == []
+    assert diagnose(rows, config(["trainer.critic_warmup=41"])) == []
     assert [f.name for f in diagnose(rows, config(["trainer.critic_warmup=0"]))] == ["the critic lags"]
 
 

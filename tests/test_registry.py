@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from _trainers import RECORDS, TOK, first_char_is_seven, make_trainer
+from _trainers import RECORDS, TOK, first_char_is_seven, make_trainer, micro_batch_loss
 from transformers import GPT2Config
 
 from refppo.advantages import (
@@ -315,8 +315,8 @@ def test_new_policy_loss_trains_and_logs_only_its_own_metrics():
 def test_new_policy_loss_gradient_is_its_formula():
     trainer = make_trainer(["actor.policy_loss=test_vanilla_pg", "actor.grad_clip=1e9"])
     batch, _ = trainer.make_experience(RECORDS[:16], {})
-    loss, _ = trainer._actor_loss(batch)
-    (g,) = torch.autograd.grad(loss, [trainer.actor.lm_head.weight])
+    terms, _ = trainer._actor_loss(batch)
+    (g,) = torch.autograd.grad(micro_batch_loss(terms), [trainer.actor.lm_head.weight])
     mask = batch["response_mask"]
     logp, _ = response_log_probs(trainer.actor, batch, 1.0)
     plain = -(batch["advantages"] * logp * mask).sum() / mask.sum()  # token-mean

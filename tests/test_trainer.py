@@ -15,7 +15,7 @@ from refppo.settings.validate import validate
 from refppo.training.fit import fit
 from refppo.training.metrics import bar_fields
 from refppo.training.reward_fns import check_scores
-from refppo.training.update import MAX_SKIPPED_UPDATES, count_skips
+from refppo.training.update import MAX_SKIPPED_UPDATES, LossTerm, count_skips
 
 
 def _run(trainer, steps):
@@ -113,7 +113,7 @@ def test_first_minibatch_has_ratio_one_in_decoupled_mode():
             "actor.optim.lr_scheduler_type=cosine",
             "actor.optim.min_lr_ratio=0.1",
             "critic.optim.lr_warmup_steps=1",
-            "trainer.critic_warmup=1",
+            "trainer.critic_warmup=2",
         ],
     ],
 )
@@ -170,16 +170,35 @@ def test_kl_controller_moves_in_the_reward():
         assert nxt["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_critic_warmup_skips_the_actor():
-    trainer = make_trainer(["trainer.critic_warmup=2"])
-    before = [p.clone() for p in trainer.actor.parameters()]
-    m = _run(trainer, 2)
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.actor.parameters()))
-    assert "actor/pg_loss" not in m[0] and "critic/vf_loss" in m[0]
+def test_critic_warmup_counts_as_verls_fit():
+    """verl 0.9, ``RayPPOTrainer.fit`` in ``verl/trainer/ppo/ray_trainer.py``: ``global_steps`` starts
+    at 1, and the actor is updated unless ``config.trainer.critic_warmup > self.global_steps``."""
+    for warmup in (0, 1, 2, 3):
+        trainer = make_trainer([f"trainer.critic_warmup={warmup}"])
+        history = _run(trainer, 3)
+        updated = [step for step, m in enumerate(history, start=1) if "actor/pg_loss" in m]
+        verl = [global_steps for global_steps in (1, 2, 3) if not warmup > global_steps]
+        assert updated == verl, (warmup, updated)
+        assert all("critic/vf_loss" in m for m in history)
+
+
+@pytest.mark.parametrize("test_freq", [-1, 2])
+@pytest.mark.parametrize("val_before_train", [True, False])
+def test_validation_steps_are_verls(test_freq, val_before_train):
+    """verl 0.9, ``RayPPOTrainer.fit`` in ``verl/trainer/ppo/ray_trainer.py``: ``_validate()`` before
+    the first step whenever ``trainer.val_before_train`` (whatever ``test_freq`` says), then at each
+    step where ``test_freq > 0 and (is_last_step or global_steps % test_freq == 0)``."""
+    overrides = [f"trainer.test_freq={test_freq}", f"trainer.val_before_train={val_before_train}"]
+    overrides += ["trainer.total_training_steps=3", "data.val_size=4"]
+    history = fit(make_trainer(overrides), progress_bar=False)
+    validated = [m["step"] for m in history if "val/score" in m]
+    verl = [0] if val_before_train else []
+    verl += [step for step in (1, 2, 3) if test_freq > 0 and (step == 3 or step % test_freq == 0)]
+    assert validated == verl
 
 
 def test_without_a_critic_the_actor_is_updated_from_the_first_step():
-    # The default warm-up (5 steps) has nothing to warm up without a critic.
+    # A warm-up has nothing to warm up without a critic.
     trainer = make_trainer(
         ["algorithm.adv_estimator=grpo", "rollout.n=2"], edit=lambda c: setattr(c.trainer, "critic_warmup", 5)
     )
@@ -191,7 +210,7 @@ def test_without_a_critic_the_actor_is_updated_from_the_first_step():
 def test_lr_metrics_are_the_rate_after_the_schedules_step_and_warm_up_starts_at_zero():
     lr = 3e-3  # make_trainer's, for both models
     trainer = make_trainer(
-        ["actor.optim.lr_warmup_steps=2", "critic.optim.lr_warmup_steps=2", "trainer.critic_warmup=1"]
+        ["actor.optim.lr_warmup_steps=2", "critic.optim.lr_warmup_steps=2", "trainer.critic_warmup=2"]
     )
     actor, critic = ([p.clone() for p in net.parameters()] for net in (trainer.actor, trainer.critic))
     m = [trainer.train_step()]
@@ -265,7 +284,7 @@ def test_nonfinite_gradient_skips_the_step():
     batch = {"response_mask": torch.ones(16, 3)}
     param = trainer.learners["actor"].params[0]
     before = param.detach().clone()
-    trainer._actor_loss = lambda mb: ((param.sum() * float("nan")), {})
+    trainer._actor_loss = lambda mb: ({"actor/pg_loss": LossTerm(param.sum() * float("nan"), "token-mean")}, {})
     stats = minibatch_stats(trainer, batch, "actor")
     assert torch.equal(param.detach(), before)
     assert all(s["actor/skipped_nonfinite_grad"] == 1.0 for s in stats)
@@ -448,3 +467,9 @@ def test_micro_batch_settings_changed_between_steps_reach_the_next_update():
     sizes.clear()
     trainer.train_step()
     assert whole != {2} and set(sizes) == {2}
+
+
+def test_data_shuffle_false_takes_the_prompts_in_order():
+    trainer = make_trainer(["data.shuffle=false"])
+    records = trainer.sampler.records
+    assert trainer.sampler.next_batch() == records[:16]

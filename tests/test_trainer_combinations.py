@@ -63,7 +63,7 @@ def configs(draw) -> tuple[list[str], int]:
     critic_mini = draw(st.sampled_from([d for d in (1, 2, 4) if prompts % d == 0]))
     loss = draw(st.sampled_from(LOSSES))
     mode = draw(st.sampled_from(["decoupled", "bypass", "token_is", "sequence_is"]))  # every loss takes weights
-    warmup = draw(st.sampled_from([0, 1])) if estimator == "gae" else 0  # a warm-up is for a critic
+    warmup = draw(st.sampled_from([0, 2])) if estimator == "gae" else 0  # a warm-up is for a critic
     overrides = [
         f"algorithm.adv_estimator={estimator}",
         f"rollout.n={n}",
@@ -112,7 +112,7 @@ def configs(draw) -> tuple[list[str], int]:
             f"critic.model.enable_gradient_checkpointing={draw(st.booleans())}",
             *_batching(draw, "critic", critic_mini * n, longest),
         ]
-    return overrides, warmup + 1, draw(st.sampled_from([0, 4]))
+    return overrides, max(warmup, 1), draw(st.sampled_from([0, 4]))  # verl: the actor from step critic_warmup
 
 
 def spread_reward(prompts, responses, records):

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from _tolerances import reordered
-from _trainers import MODES, TOK, first_char_is_seven, make_trainer, minibatch_stats
+from _trainers import MODES, TOK, first_char_is_seven, make_trainer, micro_batch_loss, minibatch_stats
 
 import refppo.training.trainer
 from refppo.rollout.forward import compute_log_probs, compute_values
@@ -140,7 +140,17 @@ def expected_actor_loss(trainer, batch):
     logp, entropy = plain_forward(trainer.actor, batch, trainer.config.rollout.temperature)
     old, adv = batch["old_log_probs"], batch["advantages"]
     ratio = torch.exp(logp - old)
-    if a.policy_loss == "penalty":
+    pg_mode = a.loss_agg_mode
+    if a.policy_loss == "gspo":
+        # verl 0.9's compute_policy_loss_gspo: one ratio a sequence, the geometric mean of its
+        # tokens' (value), each token's own gradient; seq-mean-token-mean whatever the mode says
+        seq_log_ratio = ((logp - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        seq_ratio = torch.exp((logp - logp.detach() + seq_log_ratio.detach()).clamp(max=10.0))
+        low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+        high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+        pg = torch.maximum(-adv * seq_ratio, -adv * seq_ratio.clamp(1 - low, 1 + high))
+        pg_mode = "seq-mean-token-mean"
+    elif a.policy_loss == "penalty":
         kl_old = old - logp  # k1 of KL(pi_old || pi_theta) on tokens from pi_old
         pg = -adv * ratio + a.penalty_kl_coef * kl_old
     else:
@@ -159,9 +169,7 @@ def expected_actor_loss(trainer, batch):
                 weights = weights / (weights.sum() / mask.sum() if rc.rollout_is == "token" else weights[:, 0].mean())
             pg = pg * weights
     scale = a.loss_scale_factor or trainer.config.data.max_response_length
-    loss = plain_agg(pg, mask, a.loss_agg_mode, scale) - a.entropy_coeff * plain_agg(
-        entropy, mask, a.loss_agg_mode, scale
-    )
+    loss = plain_agg(pg, mask, pg_mode, scale) - a.entropy_coeff * plain_agg(entropy, mask, a.loss_agg_mode, scale)
     if a.use_kl_loss:
         assert a.kl_loss_type in ("k2", "mse")
         k2 = 0.5 * (logp - batch["ref_log_prob"]) ** 2
@@ -237,6 +245,26 @@ def test_every_update_has_the_plain_gradient_for_every_aggregation(mode, micro):
                 else []
             ),
         ]
+    )
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum"])
+def test_gspo_aggregates_its_own_way_beside_a_kl_loss_in_another_mode(mode):
+    """verl 0.9's GSPO aggregates its policy loss with seq-mean-token-mean whatever
+    ``loss_agg_mode`` says, and the KL loss with ``loss_agg_mode``: micro-batches of different
+    token counts weigh each term by its own mode, so every update has the plain gradient."""
+    check_every_update(
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "actor.policy_loss=gspo",
+            f"actor.loss_agg_mode={mode}",
+            "actor.use_kl_loss=true",
+            "actor.kl_loss_type=k2",
+            "actor.kl_loss_coef=0.5",
+            "actor.ppo_micro_batch_size_per_gpu=4",
+        ],
+        reward_fn=response_length,
     )
 
 
@@ -357,7 +385,7 @@ def test_terms_change_the_gradient_by_exactly_their_own_term():
     def actor_grad(**settings):
         for k, v in settings.items():
             setattr(base.config.actor, k, v)
-        loss, _ = base._actor_loss(batch)
+        loss = micro_batch_loss(base._actor_loss(batch)[0])
         out = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
         base.config.actor.entropy_coeff, base.config.actor.kl_loss_coef = 0.0, 0.0
         return out
@@ -624,7 +652,7 @@ def test_kl_in_the_reward_reaches_the_critic_target_and_the_advantages_only():
 
 
 def test_critic_warmup_updates_only_the_critic_and_then_both():
-    trainer = make_trainer([*BATCH, "trainer.critic_warmup=2"])
+    trainer = make_trainer([*BATCH, "trainer.critic_warmup=3"])  # verl's count: 2 critic-only steps
     actor0 = [p.detach().clone() for p in trainer.learners["actor"].params]
     critic0 = [p.detach().clone() for p in trainer.learners["critic"].params]
     for step in range(3):

@@ -13,6 +13,7 @@ from test_cli import QUICK_PPO, TINY
 from refppo.runs.cli import main
 from refppo.runs.folder import Resume, RunFolder
 from refppo.settings.config import Config, apply_overrides
+from refppo.settings.overrides import command_settings
 from refppo.settings.validate import validate
 from refppo.training.validation import chosen_generations, pass_at_k, subset_sizes, validation_metrics
 
@@ -146,11 +147,14 @@ def test_chosen_generations_are_verls():
     assert chosen_generations(inputs, outputs, scores, 5) == expected
 
 
-def test_val_kwargs_sampling_needs_a_temperature():
-    c = apply_overrides(Config(), ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=4"])
-    with pytest.raises(ValueError, match="rollout.val_kwargs.temperature, which is 0"):
-        validate(c)
-    validate(apply_overrides(c, ["rollout.val_kwargs.temperature=0.7"]))
+def test_val_kwargs_sampling_at_temperature_0_is_accepted_with_a_note():
+    """verl 0.9's ``AgentLoopManager.generate_sequences`` (``verl/experimental/agent_loop/agent_loop.py``)
+    passes ``val_kwargs.temperature`` to the engine, which decodes greedily at 0."""
+    config, notes = command_settings("ppo", ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=4"])
+    assert config.rollout.val_kwargs.temperature == 0
+    assert any("decodes greedily" in note and "4 responses" in note for note in notes), notes
+    _, notes = command_settings("ppo", ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.7"])
+    assert not any("greedily" in note for note in notes)
 
 
 @pytest.mark.parametrize("key", ["rollout.temperature", "rollout.val_kwargs.temperature"])
@@ -167,8 +171,14 @@ def test_a_temperature_below_the_float32_floor_is_refused(key):
     "overrides, needs",
     [
         (["rollout.val_kwargs.n=4"], "rollout.val_kwargs.do_sample=true"),
-        (["trainer.test_freq=-1", "rollout.val_kwargs.do_sample=true"], "trainer.test_freq > 0"),
-        (["trainer.test_freq=-1", "trainer.log_val_generations=4"], "trainer.test_freq > 0"),
+        (
+            ["trainer.test_freq=-1", "trainer.val_before_train=false", "rollout.val_kwargs.do_sample=true"],
+            r"trainer.test_freq > 0 or trainer.val_before_train=true",
+        ),
+        (
+            ["trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.log_val_generations=4"],
+            r"trainer.test_freq > 0 or trainer.val_before_train=true",
+        ),
     ],
 )
 def test_val_kwargs_unread_are_refused(overrides, needs):
@@ -220,6 +230,18 @@ def test_a_resume_drops_the_samples_of_steps_after_its_checkpoint(tmp_path):
     RunFolder(folder, Config(), resume=resume)
     kept = [json.loads(line)["step"] for line in (folder / "val_generations.jsonl").read_text().splitlines()]
     assert kept == [0, 1, 2]
+
+
+def test_val_kwargs_sampling_at_temperature_0_is_greedy(sft_model, tmp_path):
+    out = tmp_path / "ppo"
+    sampling = ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=2"]  # verl's temperature, 0
+    assert main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO, *sampling]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    validated = [r for r in rows if "val/score" in r]
+    assert validated
+    for row in validated:
+        assert row["val-core/arithmetic/reward/mean@2"] == pytest.approx(row["val/score"], abs=1e-7)
+        assert row["val-aux/arithmetic/reward/std@2"] == 0
 
 
 def test_val_kwargs_sampling_settings_are_used(sft_model, tmp_path):

@@ -30,6 +30,12 @@ from refppo.settings.verl_names import (
 
 # verl 0.9's config keys and defaults, and those its DAPO command lines add
 VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys.json").read_text())["defaults"] | ADDED
+# keys of verl's other configurations (Megatron, VeOmni, MindSpeed, ...) that its own example scripts set
+EXAMPLE_KEYS = {
+    item.partition("=")[0].lstrip("+")
+    for line in json.loads((Path(__file__).parent / "data" / "verl_0_9_0_examples.json").read_text())["lines"]
+    for item in line["settings"]
+}
 KEYS = list(declarations(Config()))
 
 
@@ -78,11 +84,13 @@ def test_defaults_equal_verls_or_the_key_map_says_why():
 def test_engine_and_missing_settings_are_verl_keys_refppo_does_not_have():
     for key in [*ENGINE, *MISSING]:
         if key.endswith("."):
-            assert any(k.startswith(key) for k in VERL), key
+            assert any(k.startswith(key) for k in [*VERL, *EXAMPLE_KEYS]), key
         else:
-            assert key in VERL, key
+            assert key in VERL or key in EXAMPLE_KEYS, key
         assert refppo_key(key) not in KEYS, key
     for key, (off, _) in MISSING.items():  # the value that turns it off is verl's default
+        if key not in VERL:  # a key of another verl configuration (Megatron's, ...), not checked here
+            continue
         theirs = VERL[key]
         if isinstance(theirs, str) and theirs.startswith("${"):  # an interpolation: its fallback
             theirs = theirs.rsplit(",", 1)[1].rstrip("}")
@@ -184,8 +192,8 @@ def test_each_name_in_verls_registries_runs_or_is_refused_naming_what_is_missing
 
 
 def test_a_missing_feature_at_its_off_value_is_accepted_with_a_note():
-    items, notes = translate(["algorithm.use_pf_ppo=False", "data.shuffle=True"])
-    assert items == [] and ["preference-feedback PPO" in notes[0], "unshuffled" in notes[1]] == [True, True]
+    items, notes = translate(["algorithm.use_pf_ppo=False", "trainer.val_only=False"])
+    assert items == [] and ["preference-feedback PPO" in notes[0], "validation-only" in notes[1]] == [True, True]
 
 
 def test_one_setting_in_two_spellings_is_given_twice(capsys, monkeypatch):
@@ -520,3 +528,72 @@ def test_the_rollouts_lengths_are_datas_lengths():
     )
     with pytest.raises(ValueError, match="rollout.response_length=12 and data.max_response_length=8: .* one length"):
         command_settings("ppo", ["rollout.response_length=12", "data.max_response_length=8"])
+
+
+def test_a_verl_line_with_bypass_rejection_is_refused_not_dropped():
+    """verl 0.9's ``compute_policy_loss_bypass_mode`` (``verl/trainer/ppo/core_algos.py``) applies
+    ``rollout_rs``'s rejection mask inside the loss, as in
+    ``examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh``: dropping it as unread would
+    lose the rejection the line asks for."""
+    line = [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    ]
+    with pytest.raises(ValueError, match="rollout_rs=token_k1 with bypass_mode=true: verl 0.9's bypass loss"):
+        command_settings("ppo", line)
+    with_weights = [
+        *line,
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0",
+    ]
+    with pytest.raises(ValueError, match="rollout_is=token with bypass_mode=true: verl 0.9's bypass loss"):
+        command_settings("ppo", with_weights)
+
+
+def test_token_budgets_take_the_sequence_parallel_size():
+    """verl 0.9's ``prepare_micro_batches`` (``verl/workers/engine/utils.py``) fills a micro-batch
+    up to ``max_token_len_per_gpu * sp_size`` tokens; refppo, one process per sequence, takes the
+    product as its budget (examples/grpo_trainer/run_qwen3_next_80b_a3b_fsdp.sh: 2816 x 8)."""
+    line = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2816",
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=8",
+        "critic.use_dynamic_bsz=true",
+        "critic.ppo_max_token_len_per_gpu=2000",
+    ]
+    config, notes = command_settings("ppo", line)
+    assert config.actor.ppo_max_token_len_per_gpu == 2816 * 8
+    assert config.critic.ppo_max_token_len_per_gpu == 2000, "the critic's own size, 1, is not the actor's"
+    assert any("Ulysses sequence-parallel size of 8: verl's micro-batches hold 22528 tokens" in n for n in notes)
+    config, _ = command_settings("ppo", [*line, "critic.ulysses_sequence_parallel_size=2"])
+    assert config.critic.ppo_max_token_len_per_gpu == 4000
+
+
+def test_critic_enable_must_agree_with_the_estimator():
+    """verl 0.9's ``need_critic`` (``verl/trainer/ppo/utils.py``): ``critic.enable`` when it is set,
+    else a critic exactly with GAE; refppo has the second rule alone."""
+    config, notes = command_settings("ppo", ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.enable=False"])
+    assert config.algorithm.adv_estimator == "grpo"
+    assert "critic.enable=False is refppo's behaviour already with algorithm.adv_estimator=grpo" in notes
+    command_settings("ppo", ["critic.enable=true"])
+    command_settings("ppo", ["critic.enable=null"])
+    for line in (["critic.enable=false"], ["algorithm.adv_estimator=rloo", "rollout.n=2", "critic.enable=true"]):
+        with pytest.raises(ValueError, match="refppo trains a critic exactly when the estimator reads one"):
+            command_settings("ppo", line)
+
+
+def test_keys_verl_adds_but_never_reads_are_dropped_with_a_note():
+    """verl's SAPO example adds ``+actor_rollout_ref.actor.policy_loss.tau_pos``; its
+    ``compute_policy_loss_sapo`` reads ``config.tau_pos`` (``actor.tau_pos``), never the added key."""
+    config, notes = command_settings(
+        "ppo",
+        [
+            "actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+            "+actor_rollout_ref.actor.policy_loss.tau_pos=3",
+        ],
+    )
+    assert config.actor.tau_pos == 1.0
+    assert any(n.endswith("verl's SAPO loss reads actor.tau_pos (verl leaves it unread too)") for n in notes), notes

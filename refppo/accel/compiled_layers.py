@@ -30,7 +30,8 @@ class CompiledForward:
     """A layer's ``forward``, compiled for passes without a KV cache and eager for those with one."""
 
     def __init__(self, forward):
-        self.eager, self.compiled = forward, torch.compile(forward)
+        self.eager = forward
+        self.compiled = torch.compile(forward)
 
     def __call__(self, *args, **kwargs):
         if any(isinstance(value, Cache) for value in (*args, *kwargs.values())):

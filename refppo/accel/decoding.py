@@ -133,7 +133,8 @@ class StaticDecoder:
     """
 
     def __init__(self, model, max_length: int, compile: bool = True):
-        self.model, self.max_length = model, max_length
+        self.model = model
+        self.max_length = max_length
         self.step = torch.compile(model, mode="reduce-overhead", dynamic=False) if compile else model
         self.cache_key = cache_argument(model)
         self._caches: dict[int, StaticCache] = {}

@@ -135,12 +135,15 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_size, want_entropy, compiled):
-        flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        flat = logits.reshape(-1, logits.shape[-1])
+        flat_labels = labels.reshape(-1)
         logp, ent = _chunked_forward(
             lambda s, e: flat[s:e], flat_labels, chunk_size, want_entropy, temperature, compiled
         )
         ctx.save_for_backward(logits, labels)
-        ctx.temperature, ctx.chunk_size, ctx.compiled = temperature, chunk_size, compiled
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.compiled = compiled
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
         if not want_entropy:
             ctx.mark_non_differentiable(ent)
@@ -169,7 +172,8 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
 def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype):
     """The head's weight in ``dtype`` (V, H) and ``raw_logits(start, end)``: hidden @ weight.T in
     ``dtype`` for rows start..end-1 of hidden (..., H) flattened."""
-    flat, w = hidden.reshape(-1, hidden.shape[-1]), weight.to(dtype)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    w = weight.to(dtype)
     return w, lambda s, e: flat[s:e].to(dtype) @ w.T
 
 
@@ -190,7 +194,10 @@ class _ChunkedLinearLogSoftmax(torch.autograd.Function):
             _, logits = _head_logits(hidden, weight, dtype)
             logp, ent = _chunked_forward(logits, labels.reshape(-1), chunk_size, want_entropy, temperature, compiled)
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.temperature, ctx.chunk_size, ctx.dtype, ctx.compiled = temperature, chunk_size, dtype, compiled
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.dtype = dtype
+        ctx.compiled = compiled
         ctx.set_materialize_grads(False)
         if not want_entropy:
             ctx.mark_non_differentiable(ent)

@@ -27,8 +27,10 @@ def cut(batch: dict[str, torch.Tensor], prompt_keep: int, response_keep: int) ->
     Returns:
         The same keys, P and R cut.
     """
-    width_p, width_r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    cut, keep = width_p - prompt_keep, response_keep
+    width_p = batch["prompts"].shape[1]
+    width_r = batch["responses"].shape[1]
+    cut = width_p - prompt_keep
+    keep = response_keep
     out = {}
     for key, value in batch.items():
         if key == "prompts":
@@ -67,7 +69,8 @@ def token_budget_micro_batches(
     prompt_len = batch["attention_mask"][:, :width_p].sum(-1).tolist()
     response_len = batch["response_mask"].sum(-1).clamp(min=1).tolist()
     order = sorted(range(len(prompt_len)), key=lambda i: -(prompt_len[i] + response_len[i]))
-    groups, widths = [[]], [(0, 0)]  # each group's rows and its longest (prompt, response)
+    groups = [[]]  # each group's rows
+    widths = [(0, 0)]  # each group's longest (prompt, response)
     for i in order:
         grown = (max(widths[-1][0], prompt_len[i]), max(widths[-1][1], response_len[i]))
         if groups[-1] and (len(groups[-1]) + 1) * sum(grown) > max_tokens:

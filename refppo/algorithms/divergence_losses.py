@@ -106,7 +106,8 @@ def compute_policy_loss_dppo_kl(
     """
     check_pair_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    p, q = torch.exp(old_log_prob), torch.exp(log_prob)
+    p = torch.exp(old_log_prob)
+    q = torch.exp(log_prob)
     binary_kl = p * (old_log_prob - log_prob) + (1 - p) * torch.log((1.0 - p + 1e-8) / (1.0 - q + 1e-8))
     kept = torch.where(advantages > 0, (binary_kl <= high) | (q <= p), (binary_kl <= low) | (q >= p))
     agg = (loss_agg_mode, loss_scale_factor)

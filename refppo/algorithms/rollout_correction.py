@@ -162,7 +162,8 @@ def rs_thresholds(rollout_rs: str, threshold: str | float | None) -> dict[str, t
         if option.endswith("k1"):
             lower, upper = bounds if len(bounds) == 2 else (1.0 / bounds[0], bounds[0])
         elif len(bounds) == 1:
-            lower, upper = None, bounds[0]
+            lower = None
+            upper = bounds[0]
         else:
             raise ValueError(f"rollout_rs_threshold: {option} takes one upper bound, not {spec!r}")
         if not (len(bounds) <= 2 and upper > 0 and (lower is None or 0 < lower <= upper)):
@@ -196,7 +197,8 @@ def _rs_summary(
     Returns:
         name -> detached scalar.
     """
-    valid, rows = response_mask.bool(), (response_mask.sum(-1) > 0).to(token_stat.dtype)
+    valid = response_mask.bool()
+    rows = (response_mask.sum(-1) > 0).to(token_stat.dtype)
     per_row = masked_mean(token_stat, response_mask, axis=-1) if seq_stat is None else seq_stat
     n_rows = rows.sum()
 
@@ -265,8 +267,10 @@ def compute_rollout_rs_mask(
     )
     log_ratio = (old_log_prob - rollout_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     estimators = {"k1": -log_ratio, "k2": 0.5 * log_ratio**2, "k3": torch.exp(log_ratio) - 1.0 - log_ratio}
-    valid, rows = response_mask.bool(), response_mask.sum(-1) > 0
-    keep, metrics = torch.ones_like(valid), {}
+    valid = response_mask.bool()
+    rows = response_mask.sum(-1) > 0
+    keep = torch.ones_like(valid)
+    metrics = {}
     for option, (lower, upper) in bounds.items():
         level, k = option.rsplit("_", 1)
         stat = estimators[k]

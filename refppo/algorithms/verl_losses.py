@@ -47,7 +47,7 @@ def compute_policy_loss_gspo(
     token ratios; each token carries s_i * pi_theta / sg(pi_theta) (the value s_i, the gradient
     of its own log-prob times s_i), clamped at exp(10), in max(-A * s, -A * clip(s, 1 - low,
     1 + high)). Aggregated with seq-mean-token-mean, as verl does whatever ``loss_agg_mode`` says
-    (refppo's config requires that mode with this loss).
+    (registered with ``aggregates``, so micro-batches combine as that mode's).
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
@@ -91,8 +91,8 @@ def compute_policy_loss_sapo(
     Per token, -f(ratio) * A with f(r) = sigmoid(tau * (r - 1)) * 4 / tau: f'(1) = 1, so near the
     old policy the gradient is PPO's, and it fades smoothly as the ratio moves away instead of
     stopping at a bound. tau is ``tau_pos`` where A > 0 and ``tau_neg`` elsewhere. Aggregated with
-    seq-mean-token-mean, as verl does whatever ``loss_agg_mode`` says (refppo's config requires
-    that mode with this loss).
+    seq-mean-token-mean, as verl does whatever ``loss_agg_mode`` says (registered with
+    ``aggregates``, so micro-batches combine as that mode's).
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`.
@@ -134,8 +134,9 @@ def compute_policy_loss_geo_mean(
     Per token, the log-ratio is clipped to [-low, high] on the side that would let the objective
     grow (the pessimistic side for the sign of A, PPO's rule in log space); the sequence's ratio is
     exp(mean of those over its valid tokens), its loss -mean(A) * ratio, and the loss the mean over
-    the rows (verl's ``torch.mean``: refppo's config requires seq-mean-token-mean, whose micro-batch
-    weights that mean needs). Rollout-correction weights enter as their per-sequence geometric mean.
+    the rows (verl's ``torch.mean``, whatever ``loss_agg_mode`` says; registered with ``aggregates``
+    seq-mean-token-mean, whose micro-batch weights that mean needs). Rollout-correction weights
+    enter as their per-sequence geometric mean.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`
@@ -355,7 +356,7 @@ def compute_policy_loss_kl_cov(
 # ---- the registry's entries: verl's signature, the settings read from ``config`` ----
 
 
-@register_policy_loss("gspo", reads=CLIP_SETTINGS)
+@register_policy_loss("gspo", reads=CLIP_SETTINGS, aggregates="seq-mean-token-mean")
 def gspo_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -366,7 +367,7 @@ def gspo_loss(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`compute_policy_loss_gspo` with verl's policy-loss signature (the mode is always
-    seq-mean-token-mean, as verl's); tensors (batch, T)."""
+    seq-mean-token-mean, as verl's, whatever ``loss_agg_mode`` says); tensors (batch, T)."""
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)  # a name it does not use is still refused
     return compute_policy_loss_gspo(
         old_log_prob,
@@ -380,7 +381,7 @@ def gspo_loss(
     )
 
 
-@register_policy_loss("sapo", reads=("tau_pos", "tau_neg"))
+@register_policy_loss("sapo", reads=("tau_pos", "tau_neg"), aggregates="seq-mean-token-mean")
 def sapo_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -404,7 +405,7 @@ def sapo_loss(
     )
 
 
-@register_policy_loss("geo_mean", reads=CLIP_SETTINGS)
+@register_policy_loss("geo_mean", reads=CLIP_SETTINGS, aggregates="seq-mean-token-mean")
 def geo_mean_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

@@ -223,7 +223,8 @@ def check_world(config, world: World) -> None:
         return
     from refppo.settings.config import critic_setting
 
-    c, size = config, world.size
+    c = config
+    size = world.size
     problems = []
     if c.data.train_batch_size % size:
         problems.append(

@@ -86,7 +86,9 @@ def layer_values(config, seq_len: int | None = None) -> tuple[int, int]:
     """
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: a masked micro-batch is at least one token wide (None: no mask)")
-    h, i, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    h = config.hidden_size
+    i = config.intermediate_size
+    heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     q = heads * head_dim
     kv = q if seq_len is not None else config.num_key_value_heads * head_dim
@@ -158,7 +160,8 @@ def activation_bytes(
         Bytes: the decoder's activations plus one float32 vocabulary row per logit position
         (the log-softmax works in float32).
     """
-    values, wide = activation_values_per_token(config, seq_len), float32_values_per_token(config)
+    values = activation_values_per_token(config, seq_len)
+    wide = float32_values_per_token(config)
     return bytes_of_values(config, tokens, logit_tokens, values, wide, bytes_per_value)
 
 

@@ -60,7 +60,8 @@ def response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     Returns:
         (B, R, vocab) logits (bf16 under CUDA's autocast), with gradients.
     """
-    length, width = batch["input_ids"].shape[1], batch["response_mask"].shape[1]
+    length = batch["input_ids"].shape[1]
+    width = batch["response_mask"].shape[1]
     # The positions as an index tensor, not a count: the head then reads a contiguous copy of
     # them, not a strided slice, whose matrix-product path torch picks by the weight's
     # requires_grad; some BLAS kernels round the two paths differently, and a trainable actor
@@ -156,7 +157,8 @@ class ForwardPasses:
         """``fn(micro_batch) -> [(b,) or (b, r) tensors]`` over :meth:`micro_batches`, put back in
         the batch's row order and response width (zeros in columns a micro-batch was cut from)."""
         count, width = batch["response_mask"].shape
-        outs, start = None, 0
+        outs = None
+        start = 0
         for idx, mb in self.micro_batches(batch, rows):
             results = fn(mb)
             if outs is None:

@@ -94,7 +94,7 @@ def row_uniforms(seed: int, step: int, rows: Sequence[int], length: int, stream:
     return out
 
 
-def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n):
+def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n, uniforms):
     check_ndim("prompts", prompts, 2)
     check_same_shape(prompts=prompts, attention_mask=attention_mask)
     if prompts.shape[0] == 0:
@@ -112,6 +112,11 @@ def _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_t
     bad = ((mask != 0) & (mask != 1)).any() | (mask.diff(dim=1) < 0).any() | (mask[:, -1] != 1).any()
     if bool(bad):
         raise ValueError("attention_mask must be 0/1 with prompts left-padded (every row ends with a real token)")
+    rows = prompts.shape[0] * n
+    if uniforms is not None and uniforms.shape != (rows, max_new_tokens):
+        raise ValueError(
+            f"uniforms must be ({rows}, {max_new_tokens}): one number per row and token, got {tuple(uniforms.shape)}"
+        )
 
 
 def cache_argument(model) -> str:
@@ -170,18 +175,15 @@ def generate(
         answers), B = N * n rows.
     """
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n)
-    device, cache_key = model.device, cache_argument(model)
+    _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n, uniforms)
+    device = model.device
+    cache_key = cache_argument(model)
     prompts = prompts.to(device).repeat_interleave(n, dim=0)
     prompt_mask = attention_mask.to(device).long().repeat_interleave(n, dim=0)
     rows, width = prompts.shape
     if uniforms is None:
         where = generator.device if generator is not None else None
         uniforms = torch.rand(rows, max_new_tokens, generator=generator, device=where)
-    if uniforms.shape != (rows, max_new_tokens):
-        raise ValueError(
-            f"uniforms must be ({rows}, {max_new_tokens}): one number per row and token, got {tuple(uniforms.shape)}"
-        )
     uniforms = uniforms.to(device)
     # the mask and positions of every slot a response can fill
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new_tokens)], dim=1)
@@ -189,7 +191,9 @@ def generate(
     eos_ids = torch.tensor(eos, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     hit_eos = torch.zeros_like(done)
-    tokens, valid, log_probs = [], [], []
+    tokens = []
+    valid = []
+    log_probs = []
     # 1. prefill: the prompts in one pass, filling the cache; only the last position's logits
     with autocast(device):
         out = model(

@@ -104,7 +104,8 @@ def prepare_tokenizer(tokenizer, pad_token: str = "<pad>"):
 @contextlib.contextmanager
 def _quiet_transformers():
     """Silence load reports and progress bars (an expected missing head is not news)."""
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -140,7 +141,8 @@ def _build(auto_cls, source, config: PretrainedConfig, tokenizer, device, dtype)
     """Instantiate ``auto_cls`` from a folder or a config; returns (model, keys not in the checkpoint)."""
     with _quiet_transformers():
         if isinstance(source, PretrainedConfig):
-            model, missing = auto_cls.from_config(config), None
+            model = auto_cls.from_config(config)
+            missing = None
         else:
             model, info = auto_cls.from_pretrained(os.fspath(source), config=config, output_loading_info=True)
             missing = set(info["missing_keys"])

@@ -41,6 +41,7 @@ from refppo.runs.sizes import (
 )
 from refppo.settings.config import COMMANDS, Config, declarations, get_value
 from refppo.settings.declare import check_once
+from refppo.settings.hydra_line import hydra_settings, split_config_options
 from refppo.settings.overrides import command_settings
 from refppo.settings.validate import format_value, ignored_settings, read_settings, valid_text, validate
 from refppo.settings.verl_map import verl_command
@@ -56,7 +57,8 @@ def settings_help(command: str, config: Config | None = None) -> str:
     if config is None:
         config = Config()
         config.trainer.output_dir = f"runs/{command}"
-    declared, ignored = declarations(config), ignored_settings(config, command)
+    declared = declarations(config)
+    ignored = ignored_settings(config, command)
     rows = []
     for key in read_settings(command, config):
         note = f"(read only with {ignored[key]})" if key in ignored else ""
@@ -160,7 +162,8 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         if config.data.task == "preference":  # each synthetic demonstration is built in memory first
             n = preference_sft_examples(config)
             check_fits(n * SYNTHETIC_RECORD_BYTES, torch.device("cpu"), f"sft.n_examples={n}")
-        examples, held = sft_examples(config), []
+        examples = sft_examples(config)
+        held = []
         _, records, reward_fn = task_data(config, tokenizer)
         scored = "data.val_size (scored after training)"
         check_generation_fits(config, model.config, config.data.val_size, scored, world, device)
@@ -233,7 +236,8 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
         centre_on = [(prompt, response) for prompt, chosen, rejected in pairs for response in (chosen, rejected)]
     else:
         check_fits(r.n_pairs * SYNTHETIC_RECORD_BYTES, torch.device("cpu"), f"rm.n_pairs={r.n_pairs}")
-        pairs, held = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10), []
+        pairs = preference.make_comparisons(r.n_pairs, seed=config.trainer.seed + 10)
+        held = []
         centre_on = preference.make_sft_examples(512, seed=config.trainer.seed + 20)
     check_batch_fits(r.batch_size, len(pairs), "rm.batch_size", "training comparisons (rm.n_pairs)")
     torch.manual_seed(config.trainer.seed)
@@ -355,10 +359,12 @@ def entry() -> int:
     status 2) instead of a traceback. An error raised elsewhere (a reward function, a library) or
     once the run folder is being made keeps its traceback, and under torchrun a line naming the
     process that failed."""
-    started, world = [], launched_world()
+    started = []
+    world = launched_world()
     try:
         if sys.argv[1:2] and sys.argv[1] in COMMANDS:
-            check_once(translate(sys.argv[2:])[0])  # in refppo's spelling: one setting, two names
+            # in refppo's spelling: one setting, two names (a configuration file's, then overridden, is not)
+            check_once(translate(hydra_settings(split_config_options(sys.argv[2:])[1])[0])[0])
         return main(on_start=lambda: started.append(True))
     except (ValueError, OSError, ImportError) as error:
         if started or not _raised_by_refppo(error):
@@ -412,7 +418,8 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
             file=out,
         )
         return 0 if asked else 2
-    command, overrides = argv[0], argv[1:]
+    command = argv[0]
+    overrides = argv[1:]
     if "-h" in overrides or "--help" in overrides:
         print(settings_help(command))
         return 0

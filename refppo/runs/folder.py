@@ -223,7 +223,9 @@ class RunFolder:
     """
 
     def __init__(self, path: str | os.PathLike, config: Config, resume: Resume | None = None, world: World = SINGLE):
-        self.path, self.resume, self.world = Path(path), resume, world
+        self.path = Path(path)
+        self.resume = resume
+        self.world = world
         self.metrics_path = self.path / "metrics.jsonl"
         self.generations_path = self.path / "val_generations.jsonl"
         self.loggers = []
@@ -312,7 +314,8 @@ class RunFolder:
         if not self.world.main:
             return final
         if final.exists():
-            aside, k = final.with_name(final.name + ".replaced"), 1
+            aside = final.with_name(final.name + ".replaced")
+            k = 1
             while aside.exists():
                 k += 1
                 aside = final.with_name(f"{final.name}.replaced-{k}")

@@ -25,7 +25,10 @@ def _points(history: History, key: str, x: str, smooth: int) -> tuple[list[int],
         raise ValueError(f"x must be one of {XS}, got {x!r}")
     if smooth < 1:
         raise ValueError(f"smooth must be >= 1, got {smooth}")
-    steps, xs, ys, clock = [], [], [], 0.0
+    steps = []
+    xs = []
+    ys = []
+    clock = 0.0
     for row in history:
         clock += row.get("timing_s/step") or 0.0
         if row.get(key) is not None:

@@ -40,7 +40,8 @@ def check_generation_fits(config: Config, model_config, rows: int, what: str, wo
     """Refuse, before any write, a generation of ``rows`` sequences (over all processes) whose
     key/value cache alone would not fit this device (:func:`refppo.guards.memory.rollout_bytes`); ``what``
     names the settings that make ``rows``."""
-    d, per_process = config.data, -(-rows // world.size)
+    d = config.data
+    per_process = -(-rows // world.size)
     need = rollout_bytes(
         model_config, per_process, d.max_prompt_length, d.max_response_length, 2 if device.type == "cuda" else 4
     )
@@ -54,7 +55,9 @@ def check_rollouts_fit(config: Config, world: World, device) -> None:
     (:func:`check_generation_fits`; the shape read from ``model.path``'s ``config.json``)."""
     from transformers import AutoConfig
 
-    d, n, model_config = config.data, config.rollout.n, AutoConfig.from_pretrained(config.model.path)
+    d = config.data
+    n = config.rollout.n
+    model_config = AutoConfig.from_pretrained(config.model.path)
     for rows, what in (
         (d.train_batch_size * n, f"data.train_batch_size={d.train_batch_size} x rollout.n={n}"),
         (d.val_size, f"data.val_size={d.val_size}"),

@@ -18,8 +18,17 @@ HAS_CRITIC = when(
     lambda s: needs_critic(s.config.algorithm.adv_estimator),
     "algorithm.adv_estimator=gae (the estimator with a critic)",
 )
-WARMUP = when(  # 0 is accepted without a critic too: verl's GRPO scripts set it
-    lambda s: HAS_CRITIC(s) is None or s.config.trainer.critic_warmup == 0,
+
+
+def critic_only_steps(critic_warmup: int) -> int:
+    """The steps that update only the critic for ``trainer.critic_warmup``: verl 0.9's
+    ``RayPPOTrainer.fit`` (``verl/trainer/ppo/ray_trainer.py``) updates the actor unless
+    ``critic_warmup > global_steps``, its steps counted from 1, so N gives N - 1 (0 and 1: none)."""
+    return max(critic_warmup - 1, 0)
+
+
+WARMUP = when(  # a warm-up of no steps is accepted without a critic too: verl's GRPO scripts set 0
+    lambda s: HAS_CRITIC(s) is None or critic_only_steps(s.config.trainer.critic_warmup) == 0,
     lambda s: HAS_CRITIC(s),
 )
 LOSS_TAKES = when(  # a setting of the policy loss: read by the losses that declare it
@@ -70,7 +79,11 @@ WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps == -1, lambda s: f"{s.s
 COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")
 KL_CTRL_TARGET = when(lambda s: s.owner.type != "fixed", "algorithm.kl_ctrl.type=adaptive or ppo_paper")
 KL_CTRL_ADAPTIVE = when(lambda s: s.owner.type == "adaptive", "algorithm.kl_ctrl.type=adaptive")
-EVALUATING = when(lambda s: s.config.trainer.test_freq > 0, "trainer.test_freq > 0")
+# verl's fit validates at step 0 with val_before_train whatever test_freq says, then every test_freq steps
+EVALUATING = when(
+    lambda s: s.config.trainer.test_freq > 0 or s.config.trainer.val_before_train,
+    "trainer.test_freq > 0 or trainer.val_before_train=true",
+)
 VAL_SAMPLING = when(lambda s: s.owner.do_sample, "rollout.val_kwargs.do_sample=true")
 LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
 FILE_TASK = when(lambda s: s.config.data.task == "file", "data.task=file")

@@ -89,9 +89,12 @@ DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 COMMANDS = ("sft", "rm", "ppo")
 # Numeric ranges in interval notation ("inf)" excludes infinity; NaN is in no range).
-POSITIVE, COUNT, NONNEG = "(0, inf)", "[1, inf)", "[0, inf)"
+POSITIVE = "(0, inf)"
+COUNT = "[1, inf)"
+NONNEG = "[0, inf)"
 # Adam's step, up to lr / (1 - beta1) with beta1 < 1 in float64 (a factor below 1e16), must stay a float32
-RATE, POSITIVE_RATE = "[0, 1e10]", "(0, 1e10]"
+RATE = "[0, 1e10]"
+POSITIVE_RATE = "(0, 1e10]"
 
 
 # ---- the settings ------------------------------------------------------------------------
@@ -115,6 +118,9 @@ class DataConfig:
     chosen_key: str = setting("chosen", commands=("rm",), needs=FILE_TASK)
     rejected_key: str = setting("rejected", commands=("rm",), needs=FILE_TASK)
     train_batch_size: int = setting(64, COUNT)  # prompts per step
+    # each epoch's prompts in a seeded random order; false: in the files' order (verl's
+    # SequentialSampler, create_rl_sampler in verl/trainer/ppo/utils.py)
+    shuffle: bool = setting(True)
     # prompts evaluated (arithmetic's are held out of training; preference has only 56); SFT scores
     # one greedy response to each, within the two length limits
     val_size: int = setting(200, COUNT, commands=("sft", "ppo"), needs=EVALUATION_PROMPTS)
@@ -231,7 +237,7 @@ class ValKwargsConfig:
 
     top_k: int = setting(-1, "-1 or [1, inf)", needs=VAL_SAMPLING, resumable=True)
     top_p: float = setting(1.0, "(0, 1]", needs=VAL_SAMPLING, resumable=True)
-    # verl's engine decodes greedily at 0; refppo asks for do_sample=false instead
+    # 0: greedy, as verl's engine decodes at temperature 0 (n equal responses to each prompt)
     temperature: float = setting(0.0, f"0 or {TEMPERATURES}", needs=VAL_SAMPLING, resumable=True)
     n: int = setting(1, COUNT, needs=VAL_SAMPLING, resumable=True)
     do_sample: bool = setting(False, resumable=True)
@@ -343,15 +349,16 @@ class RolloutCorrectionConfig:
     pi_old / pi_rollout, of the token or of the whole sequence
     (:func:`refppo.algorithms.rollout_correction.compute_rollout_is_weights`)."""
 
-    # null: no weights. In bypass mode the PPO ratio is already against the sampler, so verl
-    # computes the weights there for its metrics only: refppo refuses them.
-    rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS, needs=OLD_LOG_PROB_PASS)
+    # null: no weights. Refused in bypass mode with rollout_rs below: verl's bypass loss computes
+    # both against the policy being updated (the weights for its metrics with loss_type=ppo_clip, in
+    # the loss with reinforce; the rejection in both), which refppo does not implement.
+    rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS)
     # the weights' truncation C, or "lower_upper": IcePop's bounds outside which a weight is 0
     rollout_is_threshold: float | str = setting(2.0, "(0, inf]", needs=IS_WEIGHTS)
     rollout_is_batch_normalize: bool = setting(False, needs=IS_WEIGHTS)  # divide by their batch mean
     # rejection sampling: comma-separated criteria (refppo.algorithms.rollout_correction.RS_OPTIONS) and their
     # bounds, one for all or one each ("0.5_2.0" bounds a k1 ratio; the others take an upper bound)
-    rollout_rs: str | None = setting(None, needs=OLD_LOG_PROB_PASS)
+    rollout_rs: str | None = setting(None)
     rollout_rs_threshold: str | None = setting(None, needs=REJECTING)
     bypass_mode: bool = setting(False)
 
@@ -396,15 +403,16 @@ class TrainerConfig:
     # steps between checkpoints (and one at the end); -1: only at the end
     save_freq: int = setting(100, "-1 or [1, inf)", resumable=True)
     test_freq: int = setting(100, "-1 or [1, inf)", resumable=True)  # steps between evaluations (val/*); -1: never
-    val_before_train: bool = setting(True, needs=EVALUATING, resumable=True)  # and one at step 0, the SFT level
+    # an evaluation at step 0, the SFT level, whatever test_freq says (verl's fit)
+    val_before_train: bool = setting(True, resumable=True)
     # validation responses written to val_generations.jsonl at each validation, chosen as verl does
     log_val_generations: int = setting(0, NONNEG, needs=EVALUATING, resumable=True)
     # continue the run in output_dir from its last checkpoint
     resume: bool = setting(False, resumable=True, unread_because="it saves no checkpoints")
-    # Steps that update only the critic, as verl's documentation defines it; verl's trainer
-    # (actor updated once critic_warmup <= global_steps, counted from 1) runs one fewer.
+    # verl's count: the actor is updated from step critic_warmup on (steps counted from 1), so
+    # critic_warmup - 1 steps update only the critic (critic_only_steps); 0 and 1 warm up nothing.
     # Without a critic there is nothing to warm up: the actor is updated from the first step.
-    critic_warmup: int = setting(5, NONNEG, needs=WARMUP)
+    critic_warmup: int = setting(6, NONNEG, needs=WARMUP)
     # verl's: the run also ends after this many passes over the training prompts (whole batches,
     # as verl's loader drops the last partial one); null: trainer.total_training_steps alone
     total_epochs: int | None = setting(None, COUNT, resumable=True)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from refppo.settings.config import Config, apply_overrides, declarations
+from refppo.settings.hydra_line import hydra_settings
 from refppo.settings.validate import ignored_message, ignored_settings, read_settings, validate
 from refppo.settings.verl_map import verl_line_defaults
 from refppo.settings.verl_names import is_verl_line, translate
@@ -19,7 +20,9 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
         config: the settings after the overrides.
         overrides: the ``key=value`` texts given.
     """
-    declared, read, ignored = declarations(config), read_settings(command, config), ignored_settings(config, command)
+    declared = declarations(config)
+    read = read_settings(command, config)
+    ignored = ignored_settings(config, command)
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key in ignored:
@@ -38,10 +41,13 @@ def check_overrides_are_read(command: str, config: Config, overrides: list[str])
 
 
 def command_settings(command: str, given: list[str]) -> tuple[Config, list[str]]:
-    """The settings of ``refppo <command> <given>`` (in refppo's or verl's spelling), checked, and
-    the notes to print: verl's engine settings, and, from a verl command line, the settings verl
-    too would leave unread in its configuration, which refppo then drops instead of refusing."""
-    overrides, notes = translate(given)
+    """The settings of ``refppo <command> <given>`` (in refppo's or verl's spelling, in Hydra's
+    grammar: :mod:`refppo.settings.hydra_line`), checked, and the notes to print: verl's engine
+    settings, and, from a verl command line, the settings verl too would leave unread in its
+    configuration, which refppo then drops instead of refusing."""
+    given, notes = hydra_settings(given)
+    overrides, verl_notes = translate(given)
+    notes += verl_notes
 
     def fresh() -> Config:
         config = Config()
@@ -63,4 +69,11 @@ def command_settings(command: str, given: list[str]) -> tuple[Config, list[str]]
             )
     config = fresh()
     check_overrides_are_read(command, apply_overrides(config, [*defaults, *overrides]), overrides)
-    return validate(config, command), notes
+    config = validate(config, command)
+    val_kwargs = config.rollout.val_kwargs
+    if command == "ppo" and val_kwargs.do_sample and val_kwargs.temperature == 0:
+        notes.append(
+            "rollout.val_kwargs.do_sample=true at rollout.val_kwargs.temperature=0 decodes greedily, as verl's engine "
+            f"does: the {val_kwargs.n} responses to each held-out prompt are the same"
+        )
+    return config, notes

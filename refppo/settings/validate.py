@@ -12,6 +12,7 @@ import torch
 from refppo.advantages import needs_critic
 from refppo.algorithms.rollout_correction import is_bounds, rs_thresholds
 from refppo.guards.checks import in_range
+from refppo.settings.conditions import critic_only_steps
 from refppo.settings.config import ActorConfig, Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.settings.declare import Declaration, Site
 from refppo.tasks import arithmetic
@@ -125,7 +126,9 @@ def _check_values(config: Config) -> None:
 def _check_batches(config: Config) -> None:
     """Mini-batches divide the batch, micro-batches the mini-batch; a token budget replaces row
     counts and holds the longest sequence."""
-    d, a, r = config.data, config.actor, config.rollout
+    d = config.data
+    a = config.actor
+    r = config.rollout
     for role, mini, micro in [
         ("actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
         ("critic", critic_setting(config, "ppo_mini_batch_size"), config.critic.ppo_micro_batch_size_per_gpu),
@@ -187,8 +190,11 @@ def _check_tiny_model(m) -> None:
 
 def _check_dapo_and_validation(config: Config) -> None:
     """DAPO's settings (dynamic sampling, overlong shaping), rejection sampling and validation sampling."""
-    d, r, alg, t, rm = config.data, config.rollout, config.algorithm, config.trainer, config.reward_model
-    fg, buffer = alg.filter_groups, rm.overlong_buffer
+    d = config.data
+    alg = config.algorithm
+    rm = config.reward_model
+    fg = alg.filter_groups
+    buffer = rm.overlong_buffer
     _require(
         not fg.enable or fg.metric is not None,
         "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (acc, score, seq_reward or "
@@ -210,26 +216,24 @@ def _check_dapo_and_validation(config: Config) -> None:
             is_bounds(alg.rollout_correction.rollout_is_threshold)
         except ValueError as error:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_{error}") from None
+    rc = alg.rollout_correction
+    for key in ("rollout_is", "rollout_rs"):
+        _require(
+            not (rc.bypass_mode and getattr(rc, key) is not None),
+            f"algorithm.rollout_correction.{key}={getattr(rc, key)} with bypass_mode=true: verl 0.9's bypass loss "
+            "(compute_policy_loss_bypass_mode) computes the weights and the rejection inside the loss, against the "
+            "policy being updated, which refppo does not implement; without bypass_mode they are computed against "
+            "pi_old before the advantages",
+        )
     if alg.rollout_correction.rollout_rs is not None:
         try:
             rs_thresholds(alg.rollout_correction.rollout_rs, alg.rollout_correction.rollout_rs_threshold)
         except ValueError as error:
             raise ValueError(f"algorithm.rollout_correction.{error}") from None
-    kw = r.val_kwargs
-    _require(
-        not (t.test_freq > 0 and kw.do_sample and kw.temperature == 0),
-        "rollout.val_kwargs.do_sample=true samples at rollout.val_kwargs.temperature, which is 0: give a temperature "
-        "> 0 (verl's engine would decode greedily, which is rollout.val_kwargs.do_sample=false)",
-    )
 
 
 def _check_policy_loss(a: ActorConfig) -> None:
     """A policy loss's own settings, which it cannot work without."""
-    _require(
-        a.policy_loss not in ("gspo", "sapo", "geo_mean") or a.loss_agg_mode == "seq-mean-token-mean",
-        f"actor.policy_loss={a.policy_loss} averages its loss over each sequence, then over the sequences (verl "
-        "does so whatever its loss_agg_mode says): set actor.loss_agg_mode=seq-mean-token-mean",
-    )
     _require(
         a.policy_loss != "dro" or a.dro_beta is not None,
         "actor.policy_loss=dro needs actor.dro_beta (verl's actor.policy_loss.dro_beta), a number > 0",
@@ -252,9 +256,9 @@ def _check_combinations(config: Config) -> None:
     t = config.trainer
     rm = config.reward_model
     _require(
-        not needs_critic(alg.adv_estimator) or t.critic_warmup < t.total_training_steps,
-        f"trainer.critic_warmup={t.critic_warmup} must be < trainer.total_training_steps={t.total_training_steps}: "
-        "the actor is updated only after the warm-up",
+        not needs_critic(alg.adv_estimator) or critic_only_steps(t.critic_warmup) < t.total_training_steps,
+        f"trainer.critic_warmup={t.critic_warmup} must be <= trainer.total_training_steps={t.total_training_steps}: "
+        "the actor is first updated at step critic_warmup",
     )
     _require(
         not (r.cuda_graphs and t.device == "cpu"),

@@ -119,7 +119,8 @@ def _effective(config: Config, key: str):
     """The value refppo runs with, where a null setting stands for another's (verl would read the
     null as it is)."""
     section, _, name = key.rpartition(".")
-    value, n = get_value(config, key), config.rollout.n
+    value = get_value(config, key)
+    n = config.rollout.n
     if name.endswith("micro_batch_size_per_gpu") and value is None:  # null: the whole (mini-)batch's rows
         if section == "actor":
             return config.actor.ppo_mini_batch_size * n
@@ -149,7 +150,8 @@ def verl_command(config: Config, command: str = "ppo") -> str:
         raise ValueError(f"--print-verl prints verl's main_ppo command: refppo {command} has none")
     ignored = ignored_settings(config, command)
     read = [key for key in read_settings(command, config) if key not in ignored]
-    lines, alone = ["python3 -m verl.trainer.main_ppo"], []
+    lines = ["python3 -m verl.trainer.main_ppo"]
+    alone = []
     for key in read:
         value = _effective(config, key)
         if (key, value) in (("data.task", "file"), ("trainer.device", "auto")):

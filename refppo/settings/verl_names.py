@@ -16,6 +16,7 @@ Where verl's documentation and code disagree, these follow its code at v0.9.0.
 
 from __future__ import annotations
 
+from refppo.advantages import needs_critic
 from refppo.losses import POLICY_LOSS_SETTINGS
 
 # verl's sections under actor_rollout_ref, which refppo spells without it
@@ -36,6 +37,12 @@ NAMES = {
         for k in ("enable", "len", "penalty_factor", "log")
     },
     "reward.reward_kwargs.max_resp_len": "reward_model.max_resp_len",
+    # verl 0.9's older place for the DAPO reward manager's keywords
+    **{
+        f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}": f"reward_model.overlong_buffer.{k}"
+        for k in ("enable", "len", "penalty_factor", "log")
+    },
+    "reward_model.reward_kwargs.max_resp_len": "reward_model.max_resp_len",
 }
 # verl keys its config file lacks, which its DAPO command lines add with "+", and their values
 # in verl's DAPO recipe config (the reward manager's keyword arguments)
@@ -45,6 +52,45 @@ ADDED = {
     "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.0,
     "reward.reward_kwargs.overlong_buffer_cfg.log": False,
     "reward.reward_kwargs.max_resp_len": None,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": False,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": 0,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.0,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": False,
+    "reward_model.reward_kwargs.max_resp_len": None,
+}
+# keys verl's example lines add with "+" that verl's code never reads: dropped with a note
+UNREAD_BY_VERL = {
+    "actor_rollout_ref.actor.policy_loss.tau_pos": "verl's SAPO loss reads actor.tau_pos",
+    "actor_rollout_ref.actor.policy_loss.tau_neg": "verl's SAPO loss reads actor.tau_neg",
+}
+# verl features outside refppo's scope or not there yet, whatever their value: refused, naming
+# what is missing (a key, or a prefix ending in ".")
+NOT_IMPLEMENTED = {
+    "data.image_key": "image inputs (vision-language models)",
+    "data.video_key": "video inputs (vision-language models)",
+    "data.image_patch_size": "image inputs (vision-language models)",
+    "distillation.": "on-policy distillation",
+    "--config-path": "Hydra's configuration files (give key=value settings)",
+    "--config-name": "Hydra's configuration files (give key=value settings)",
+    "hydra.": "Hydra's configuration files (give key=value settings)",
+    "data.apply_chat_template_kwargs.": "keyword arguments to the chat template",
+    "trainer.resume_from_path": "resuming from another folder's checkpoint (trainer.resume=true continues "
+    "trainer.output_dir)",
+    "actor_rollout_ref.model.lora_adapter_path": "starting from a saved LoRA adapter",
+    "actor@actor_rollout_ref.actor": "Hydra's configuration files (give key=value settings)",
+    "actor_rollout_ref.model.mtp.": "multi-token prediction",
+    "actor_rollout_ref.model.override_config.": "overriding the model's own config",
+    "actor_rollout_ref.model.exclude_modules": "LoRA on some of the linear layers (refppo adapts all of them)",
+    "actor_rollout_ref.actor.optim.min_lr": "Megatron's learning-rate floor (refppo's: actor.optim.min_lr_ratio)",
+    "algorithm.gdpo_reward_keys": "GDPO's normalisation of each reward component",
+    "data.continuous_token.": "continuous-token inputs",
+    "data.custom_cls.": "dataset classes from a file",
+    "reward.custom_reward_function.": "reward functions from a file",
+    **{
+        f"actor_rollout_ref.model.lora.{k}": "Megatron's LoRA (refppo's LoRA is PEFT's: model.lora_rank, "
+        "model.lora_alpha)"
+        for k in ("rank", "alpha", "lora_A_init_method", "lora_B_init_method", "target_modules", "dropout")
+    },
 }
 VALUES = {("actor.policy_loss", "vanilla"): "clip"}  # verl's name of a value -> refppo's
 # a verl setting whose values are refppo settings
@@ -98,6 +144,15 @@ ENGINE = (
     # refppo's log-prob passes take the actor's token budget (actor.use_dynamic_bsz)
     *(f"actor_rollout_ref.{r}.log_prob_{k}" for r in ("rollout", "ref") for k in ("use_dynamic_bsz", "max_token_len_per_gpu")),  # noqa: E501
     "reward.num_workers", "algorithm.filter_groups.max_inflight_gen_batches",  # generation batches in flight
+    # the other engines verl trains with (Megatron, VeOmni) and their settings, the rollout
+    # engine's precision, a reward model's server, merging LoRA into the rollout's weights
+    "model_engine", "actor_rollout_ref.actor.model_engine", "trainer.use_legacy_worker_impl",
+    "actor_rollout_ref.rollout.moe_tensor_parallel_size",
+    *(f"actor_rollout_ref.{r}.{engine}." for r in ("actor", "ref") for engine in ("megatron", "veomni", "mindspeed")),
+    "actor_rollout_ref.actor.engine.", "critic.megatron.",
+    "actor_rollout_ref.actor.optim.override_optimizer_config.",
+    "actor_rollout_ref.actor.pad_to_length",
+    "actor_rollout_ref.rollout.dtype", "reward.reward_model.rollout.", "actor_rollout_ref.model.lora.merge",
     "global_profiler.", "ray_kwargs.", "transfer_queue.",
 )  # fmt: skip
 # The rollout's lengths, which verl's engine reads and which default to data's: refppo has one
@@ -117,16 +172,27 @@ MISSING = {
     "critic.shuffle": ("false", "shuffling the mini-batches of an epoch"),
     "actor_rollout_ref.actor.use_prefix_grouper": ("false", "prefix-shared forward passes"),
     "actor_rollout_ref.actor.calculate_sum_pi_squared": ("false", "the sum of squared probabilities"),
-    "data.shuffle": ("true", "an unshuffled data order"),
     "data.train_max_samples": ("-1", "a cap on the training records"),
     "data.val_max_samples": ("-1", "a cap on the evaluation records"),
     "data.reward_fn_key": ("data_source", "choosing the rule by another column"),
     "data.gen_batch_size": ("null", "a generation batch other than data.train_batch_size"),
     "trainer.val_only": ("false", "validation-only runs"),
+    "actor_rollout_ref.model.trust_remote_code": ("false", "models with their own code (trust_remote_code)"),
+    "data.trust_remote_code": ("false", "tokenizers with their own code (trust_remote_code)"),
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": (
+        "false",
+        "replaying the rollout's MoE routing in training",
+    ),
+    "actor_rollout_ref.actor.optim.lr_decay_style": (
+        "constant",
+        "Megatron's schedule names (refppo's: actor.optim.lr_scheduler_type)",
+    ),
+    "actor_rollout_ref.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
 }
 
 # values of verl 0.9's registries that refppo does not implement: what each is missing
 MISSING_CHOICES = {
+    ("trainer.device", "npu"): "Ascend NPUs (it runs on CPUs and CUDA GPUs)",
     ("algorithm.adv_estimator", "gdpo"): "GDPO's normalisation of each reward component (it needs several reward keys)",
     ("algorithm.adv_estimator", "optimal_token_baseline"): "the optimal token baseline (it needs each token's "
     "sum of squared probabilities)",
@@ -162,6 +228,60 @@ def _plain(text: str) -> str:
     return text.strip().strip("'\"").lower().replace("none", "null")
 
 
+# verl's token budget per micro-batch is max_token_len_per_gpu times the model's Ulysses
+# sequence-parallel size (prepare_micro_batches in verl/workers/engine/utils.py): the ranks of a
+# group share each sequence. refppo gives each sequence one process, so its budget is the product.
+SEQUENCE_PARALLEL = {
+    "actor.ppo_max_token_len_per_gpu": (
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    ),
+    "critic.ppo_max_token_len_per_gpu": (
+        "critic.fsdp.ulysses_sequence_parallel_size",
+        "critic.ulysses_sequence_parallel_size",
+    ),
+}
+
+
+def _sequence_parallel_budgets(translated: list[str], line: list[str], notes: list[str]) -> list[str]:
+    """``translated`` (refppo's keys) with each token budget multiplied by its model's Ulysses size
+    on the verl command ``line`` (:data:`SEQUENCE_PARALLEL`); a note for each goes to ``notes``."""
+    given = {}
+    for item in line:
+        key, _, text = item.partition("=")
+        given[full_path(key.strip().lstrip("+"))] = text.strip()
+    out = []
+    for item in translated:
+        key, sep, text = item.partition("=")
+        sizes = [given[k] for k in SEQUENCE_PARALLEL.get(key.strip(), ()) if k in given]
+        if not sep or not sizes or int(_plain(sizes[0])) == 1:
+            out.append(item)
+            continue
+        budget = int(_plain(text)) * int(_plain(sizes[0]))
+        notes.append(
+            f"{key}={text} with a Ulysses sequence-parallel size of {_plain(sizes[0])}: verl's micro-batches hold "
+            f"{budget} tokens, and so do refppo's"
+        )
+        out.append(f"{key}={budget}")
+    return out
+
+
+def _critic_enable(text: str, translated: list[str], notes: list[str]) -> None:
+    """verl 0.9's ``critic.enable`` (``need_critic`` in ``verl/trainer/ppo/utils.py``): null leaves
+    the choice to the estimator, as refppo always does; true or false must agree with it."""
+    value = _plain(text)
+    if value == "null":
+        return
+    estimators = [item.partition("=")[2].strip() for item in translated if item.startswith("algorithm.adv_estimator=")]
+    estimator = _plain(estimators[-1]) if estimators else "gae"
+    if (value == "true") != needs_critic(estimator):
+        raise ValueError(
+            f"critic.enable={text} with algorithm.adv_estimator={estimator}: refppo trains a critic exactly when "
+            "the estimator reads one (gae); it does not implement a critic the advantages ignore or GAE without one"
+        )
+    notes.append(f"critic.enable={text} is refppo's behaviour already with algorithm.adv_estimator={estimator}")
+
+
 def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     """Overrides in refppo's spelling, and a note for each verl setting that has no effect here.
 
@@ -179,12 +299,22 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     out = []
     notes = []
     lengths = {}
+    critic_enable = None
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip().lstrip("+")  # Hydra's "+key=value" adds a key verl's config lacks
         full = full_path(key)
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
+        missing = [what for k, what in NOT_IMPLEMENTED.items() if full == k or (k.endswith(".") and full.startswith(k))]
+        if missing:
+            raise ValueError(f"{key}{sep}{text}: refppo does not implement {missing[0]}")
+        if sep and full == "critic.enable":
+            critic_enable = text
+            continue
+        if sep and full in UNREAD_BY_VERL:
+            notes.append(f"{key}={text} is not read: {UNREAD_BY_VERL[full]} (verl leaves it unread too)")
+            continue
         if sep and full in ROLLOUT_LENGTHS:
             lengths[ROLLOUT_LENGTHS[full]] = (key, text.strip())
             continue
@@ -209,6 +339,9 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         value = VALUES.get((name, _plain(text)), text) if sep else text
         out.append(f"{name}{sep}{value}")
     out += _rollout_lengths(lengths, out, notes)
+    if critic_enable is not None:
+        _critic_enable(critic_enable, out, notes)
+    out = _sequence_parallel_budgets(out, overrides, notes)
     keys = {item.partition("=")[0].strip() for item in out}
     if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
         out.append("data.task=file")

@@ -119,7 +119,8 @@ class TokenMDP:
         probs = torch.softmax(logits.detach().float(), dim=-1)
         seqs = []
         for _ in range(n):
-            s, seq = 0, []
+            s = 0
+            seq = []
             while s >= 0:
                 a = int(torch.multinomial(probs[s], 1, generator=generator))
                 seq.append(a)
@@ -128,7 +129,8 @@ class TokenMDP:
         return self._batch(seqs)
 
     def _batch(self, seqs) -> dict[str, torch.Tensor]:
-        n, H = len(seqs), self.horizon
+        n = len(seqs)
+        H = self.horizon
         responses = torch.full((n, H), self.eos, dtype=torch.long)
         mask = torch.zeros(n, H)
         state_ids = torch.zeros(n, H, dtype=torch.long)

@@ -68,7 +68,8 @@ def make_comparisons(n: int, seed: int, noise: float = 0.2) -> list[tuple[str, s
     out = []
     for rec in make_prompts(n, seed):
         p = rec["prompt"]
-        a, b = sft_response(rng), sft_response(rng)
+        a = sft_response(rng)
+        b = sft_response(rng)
         p_a = 0.5 * (1.0 + math.tanh((gold_score(p, a) - gold_score(p, b)) / (2 * noise)))  # sigmoid, no overflow
         out.append((p, a, b) if rng.random() < p_a else (p, b, a))
     return out

@@ -15,7 +15,8 @@ from refppo.tasks.rules import rule_problem, rule_reward
 
 
 class EpochSampler:
-    """Epochs over a list of records, each in a seeded random order; state is (epoch, cursor).
+    """Epochs over a list of records, each in a seeded random order (or in the list's order);
+    state is (epoch, cursor).
 
     Serves PPO prompts, SFT examples and reward-model pairs alike.
 
@@ -23,15 +24,22 @@ class EpochSampler:
         records: the items (prompt dicts, (prompt, response) pairs, ...).
         batch_size: records per batch.
         seed: the order of epoch e is a permutation drawn from seed + e.
+        shuffle: False: every epoch in the list's order (``data.shuffle=false``).
     """
 
-    def __init__(self, records: list[dict], batch_size: int, seed: int):
+    def __init__(self, records: list[dict], batch_size: int, seed: int, shuffle: bool = True):
         if not records:
             raise ValueError("the dataset is empty")
-        self.records, self.batch_size, self.seed = records, batch_size, seed
-        self.epoch, self.cursor = 0, 0
+        self.records = records
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.cursor = 0
 
     def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.records)))
         gen = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.records), generator=gen).tolist()
 
@@ -44,7 +52,8 @@ class EpochSampler:
             out += [self.records[i] for i in take]
             self.cursor += len(take)
             if self.cursor == len(order):
-                self.epoch, self.cursor = self.epoch + 1, 0
+                self.epoch += 1
+                self.cursor = 0
         return out
 
     def state_dict(self) -> dict:
@@ -53,7 +62,8 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict`."""
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.epoch = state["epoch"]
+        self.cursor = state["cursor"]
 
 
 def read_records(path: str) -> list[tuple[str, dict]]:

@@ -18,7 +18,8 @@ import torch
 from refppo.distributed import pad_width
 from refppo.rollout.prompts import sequence_batch
 
-SCORE, EXTRA = "_score", "_extra/"  # the scores travel in the batch while it is cut and joined
+SCORE = "_score"  # the scores travel in the batch while it is cut and joined
+EXTRA = "_extra/"
 
 
 def varied_groups(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@ from refppo.training.validation import held_out_metrics
 
 
 def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[str, float]]:
-    """Train to ``trainer.total_training_steps``, validating every ``test_freq`` steps (and at
-    step 0, the SFT level, with ``val_before_train``; :func:`refppo.training.validation.held_out_metrics`),
+    """Train to ``trainer.total_training_steps``, validating every ``test_freq`` steps and at the
+    last (and at step 0, the SFT level, with ``val_before_train``, whatever ``test_freq`` says, as
+    verl's ``RayPPOTrainer.fit`` does; :func:`refppo.training.validation.held_out_metrics`),
     logging one metrics line per step and checkpointing every ``save_freq`` steps and at the end.
 
     Args:
@@ -38,7 +39,7 @@ def fit(trainer: PPOTrainer, run=None, progress_bar: bool = True) -> list[dict[s
             run.log_generations(step, generations)
         return metrics
 
-    if trainer.step == 0 and t.test_freq > 0 and t.val_before_train:
+    if trainer.step == 0 and t.val_before_train:  # verl's fit: whatever test_freq says
         record(0, validate(0))
     shown = progress_bar and trainer.world.main
     bar = tqdm(total=t.total_training_steps, initial=trainer.step, disable=not shown, desc="ppo")

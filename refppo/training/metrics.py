@@ -81,7 +81,8 @@ def offpolicy_metrics(
         and ``chi2_seq`` = E[(prod rho)^2] - 1, rho = pi_old / pi_rollout with log rho clamped to +-20.
     """
     mask = response_mask
-    train_seq, rollout_seq = masked_mean(old_log_prob, mask, axis=-1), masked_mean(rollout_log_prob, mask, axis=-1)
+    train_seq = masked_mean(old_log_prob, mask, axis=-1)
+    rollout_seq = masked_mean(rollout_log_prob, mask, axis=-1)
     log_ratio = old_log_prob - rollout_log_prob
     diff = rollout_seq - train_seq  # log(training ppl / rollout ppl), per sequence
     seq_log_ratio = (log_ratio * mask).sum(-1).clamp(-20.0, 20.0)
@@ -136,7 +137,8 @@ def rollout_is_metrics(
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True)
     raw = torch.exp(log_ratio.clamp(-20.0, 20.0)).expand_as(mask) * mask
-    high, low = torch.log(torch.tensor(upper, dtype=log_ratio.dtype)), torch.log(torch.tensor(bottom))
+    high = torch.log(torch.tensor(upper, dtype=log_ratio.dtype))
+    low = torch.log(torch.tensor(bottom))
     out = {"rollout_is_mean": masked_mean(weights, mask)}
     if level == "sequence":
         out |= {
@@ -223,18 +225,17 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
     if not config.algorithm.rollout_correction.bypass_mode:
         # verl's debug metrics: the sampler's token probabilities against the trainer's own
         # recomputation; far from 0 (and a correlation below 1) when the two disagree
-        old, rollout = batch["old_log_probs"].exp(), batch["rollout_log_probs"].exp()
+        old = batch["old_log_probs"].exp()
+        rollout = batch["rollout_log_probs"].exp()
         diff = (old - rollout).abs()
         out["training/rollout_probs_diff_mean"] = masked_mean(diff, sampled)
         out["training/rollout_probs_diff_max"] = masked_max_min(diff, sampled)[0]
         out["training/rollout_probs_diff_std"] = masked_var(diff, sampled).sqrt()
         out["training/rollout_actor_probs_pearson_corr"] = masked_corr(old, rollout, sampled)
         # verl's rollout-correction diagnostics, logged in decoupled mode (bypass has no pi_old to compare)
-        old_lp, rollout_lp, correction = (
-            batch["old_log_probs"],
-            batch["rollout_log_probs"],
-            config.algorithm.rollout_correction,
-        )
+        old_lp = batch["old_log_probs"]
+        rollout_lp = batch["rollout_log_probs"]
+        correction = config.algorithm.rollout_correction
         out |= offpolicy_metrics(old_lp, rollout_lp, sampled)
         if correction.rollout_is is not None:
             out |= rollout_is_metrics(

@@ -23,7 +23,8 @@ def make_optimizer(params, optim: OptimConfig, total_steps: int):
         (optimizer, scheduler); the scheduler steps once per training step.
     """
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-    warmup, floor = optim.lr_warmup_steps, optim.min_lr_ratio
+    warmup = optim.lr_warmup_steps
+    floor = optim.min_lr_ratio
     if warmup == -1:
         warmup = int(optim.lr_warmup_steps_ratio * total_steps)
 

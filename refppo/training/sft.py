@@ -157,7 +157,8 @@ def held_out_loss(
     """
     if not examples:
         raise ValueError("no held-out examples")
-    nll, tokens = 0.0, 0
+    nll = 0.0
+    tokens = 0
     for start in range(0, len(examples), batch_size):
         prompts = [prompt for prompt, _ in examples[start : start + batch_size]]
         responses = [response for _, response in examples[start : start + batch_size]]
@@ -201,7 +202,8 @@ def greedy_score(
         max_response_length: the longest response generated.
         world: the processes; each scores every prompt.
     """
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
     with Unsharded(model, world):
         batch = generate(model, ids, mask, eos, pad, max_response_length, do_sample=False)
     scores = reward_fn(*decode_texts(tokenizer, batch), records)

@@ -18,7 +18,7 @@ Evaluate, without gradients
 
 Update
 
-7. the critic's, then 8. the actor's (with a critic, after ``trainer.critic_warmup`` steps):
+7. the critic's, then 8. the actor's (with a critic, from step ``trainer.critic_warmup`` on, as verl counts):
    ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a row count,
    or of a token budget with ``use_dynamic_bsz``), each model with its own optimiser, gradient
    clipping and LR schedule (:mod:`refppo.training.update`). Rows are reshuffled every epoch, as
@@ -68,12 +68,13 @@ from refppo.distributed import SINGLE, World
 from refppo.functional import masked_mean
 from refppo.guards.checks import broken_by_update, check_values, value_checks
 from refppo.kl import get_kl_controller, kl_penalty
-from refppo.losses import agg_loss, compute_value_loss, get_policy_loss_fn, policy_loss_config
+from refppo.losses import POLICY_LOSSES, agg_loss, compute_value_loss, get_policy_loss_fn, policy_loss_config
 from refppo.rewards import apply_kl_penalty, apply_missing_eos_penalty, place_score_on_last_token
 from refppo.rollout.forward import compute_scores, response_values
 from refppo.rollout.generation import generate, row_uniforms
 from refppo.rollout.models import make_reference
 from refppo.rollout.prompts import decode_texts, tokenize_records
+from refppo.settings.conditions import critic_only_steps
 from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
 from refppo.training.data import EpochSampler
@@ -81,7 +82,7 @@ from refppo.training.dynamic_sampling import DynamicSampling
 from refppo.training.metrics import data_metrics, gather, peak_memory_gb, throughput_metrics, timer
 from refppo.training.optim import make_optimizer
 from refppo.training.reward_fns import RewardFn, check_scores, describe
-from refppo.training.update import Learner, UpdateSettings, minibatch_updates
+from refppo.training.update import Learner, LossTerm, UpdateSettings, minibatch_updates
 
 
 class PPOTrainer:
@@ -149,7 +150,7 @@ class PPOTrainer:
         self.sampling_model = self.accel.decoder(actor, c.data.max_prompt_length + c.data.max_response_length)
         for model in (actor, self.reference, critic, reward_model):  # under torchrun: FSDP2
             distributed.shard(model, world)
-        self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed)
+        self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed, shuffle=c.data.shuffle)
         self.kl_ctrl = get_kl_controller(**vars(c.algorithm.kl_ctrl))
         self.learners = {"actor": self._learner("actor", actor)}
         if self.use_critic:
@@ -177,7 +178,6 @@ class PPOTrainer:
             epochs=setting("ppo_epochs"),
             mini_rows=setting("ppo_mini_batch_size") * c.rollout.n,
             micro_rows=getattr(c, role).ppo_micro_batch_size_per_gpu,
-            loss_agg_mode=setting("loss_agg_mode"),
             grad_clip=getattr(c, role).grad_clip,
             passes=self.accel.actor if role == "actor" else self.accel.critic,
         )
@@ -446,8 +446,8 @@ class PPOTrainer:
 
     # ---- update: steps 7 and 8 ------------------------------------------------------------
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
-        """Steps 7 and 8: the critic's update, then the actor's (with a critic, after
-        ``trainer.critic_warmup`` steps).
+        """Steps 7 and 8: the critic's update, then the actor's (with a critic, from step
+        ``trainer.critic_warmup`` on, counted from 1 as verl counts: :func:`critic_only_steps`).
 
         Args:
             batch: an evaluated batch (see :meth:`make_experience`).
@@ -460,7 +460,7 @@ class PPOTrainer:
         if self.use_critic:
             critic_stats = self.update_model(self.learners["critic"], self._critic_loss, batch, timing)
         actor_stats = []
-        if not self.use_critic or self.step >= self.config.trainer.critic_warmup:
+        if not self.use_critic or self.step >= critic_only_steps(self.config.trainer.critic_warmup):
             actor_stats = self.update_model(self.learners["actor"], self._actor_loss, batch, timing)
         return critic_stats, actor_stats
 
@@ -477,13 +477,16 @@ class PPOTrainer:
         lr = torch.tensor(learner.schedule.get_last_lr()[0])
         return [s | {f"{learner.name}/lr": lr} for s in stats]
 
-    def _actor_loss(self, mb):
+    def _actor_loss(self, mb: dict[str, torch.Tensor]) -> tuple[dict[str, LossTerm], dict[str, torch.Tensor]]:
+        """A micro-batch's actor loss as its terms: the policy loss chosen by name (called as verl
+        calls it, aggregated as it aggregates), the entropy bonus and the KL loss; and the policy
+        loss's other stats."""
         a = self.config.actor
         mask = mb["response_mask"]
         # actor/entropy comes from the old-log-prob pass (verl 0.9); here only for the bonus or if asked
-        bonus = a.entropy_coeff != 0
+        with_entropy = a.entropy_coeff != 0 or a.calculate_entropy
         temperature = self.config.rollout.temperature
-        log_prob, entropy = self.accel.actor.log_probs(self.actor, mb, temperature, bonus or a.calculate_entropy)
+        log_prob, entropy = self.accel.actor.log_probs(self.actor, mb, temperature, with_entropy)
         scale = self._loss_scale_factor(a.loss_scale_factor)
         policy_loss_fn = get_policy_loss_fn(a.policy_loss)
         pg_loss, pg_metrics = policy_loss_fn(  # verl 0.9's call
@@ -495,27 +498,26 @@ class PPOTrainer:
             config=policy_loss_config(a, loss_scale_factor=scale),
             rollout_is_weights=mb.get("rollout_is_weights"),
         )
-        stats = {"actor/pg_loss": pg_loss.detach()}
+        pg_mode = POLICY_LOSSES.aggregation(a.policy_loss, a.loss_agg_mode)  # GSPO, SAPO, GMPO: their own
+        terms = {"actor/pg_loss": LossTerm(pg_loss, pg_mode)}
+        stats = {}
         for name, value in pg_metrics.items():  # a loss written for verl returns floats
             stats[name] = torch.as_tensor(value, device=mask.device)
-        loss = pg_loss
-        if entropy is not None:
+        if entropy is not None:  # without the bonus only logged (verl adds 0 x entropy_loss)
             entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode, scale)
-            if bonus:  # else no gradient through it (verl adds 0 x entropy_loss)
-                loss = loss - a.entropy_coeff * entropy_loss
-            stats["actor/entropy_loss"] = entropy_loss.detach()
+            terms["actor/entropy_loss"] = LossTerm(entropy_loss, a.loss_agg_mode, coefficient=-a.entropy_coeff)
         if a.use_kl_loss:
             kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, scale)
-            loss = loss + a.kl_loss_coef * kl_loss
-            stats["actor/kl_loss"] = kl_loss.detach()
-        return loss, stats
+            terms["actor/kl_loss"] = LossTerm(kl_loss, a.loss_agg_mode, coefficient=a.kl_loss_coef)
+        return terms, stats
 
     def _loss_scale_factor(self, configured: float | None) -> float:
         """seq-mean-token-sum-norm's constant divisor: as configured, else the longest response
         allowed (never the batch's width, which changes when generation stops early)."""
         return self.config.data.max_response_length if configured is None else configured
 
-    def _critic_loss(self, mb):
+    def _critic_loss(self, mb: dict[str, torch.Tensor]) -> tuple[dict[str, LossTerm], dict[str, torch.Tensor]]:
+        """A micro-batch's value loss, as its one term, and the critic's other stats."""
         c = self.config
         mask = mb["response_mask"]
         vpreds = response_values(self.critic, mb)
@@ -525,11 +527,8 @@ class PPOTrainer:
             vpreds, mb["returns"], mb["values"], mask, c.critic.cliprange_value, mode, scale
         )
         vpred_mean = masked_mean(vpreds.detach(), mask)
-        return vf_loss, {
-            "critic/vf_loss": vf_loss.detach(),
-            "critic/vf_clipfrac": vf_clipfrac,
-            "critic/vpred_mean": vpred_mean,
-        }
+        terms = {"critic/vf_loss": LossTerm(vf_loss, mode)}
+        return terms, {"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean}
 
     # ---- step 9: metrics ----------------------------------------------------------------
     def step_metrics(self, batch: dict, stats: dict, update_stats: list[dict], timing: dict, start: float) -> dict:

@@ -14,8 +14,6 @@ from refppo.distributed import World
 from refppo.guards.checks import value_checks
 from refppo.losses import agg_loss_weight
 
-# Stats aggregated with loss_agg_mode, as the loss is: micro-batches combine like the loss.
-LOSS_STATS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"})
 # Consecutive skipped updates (non-finite gradient) of one model after which the run stops.
 MAX_SKIPPED_UPDATES = 8
 
@@ -40,6 +38,21 @@ class Learner:
 
 
 @dataclass
+class LossTerm:
+    """One term of a micro-batch's loss, logged under its name.
+
+    Attributes:
+        value: the term aggregated over the micro-batch (scalar, with its gradient).
+        mode: the ``loss_agg_mode`` it was aggregated with, which weighs it into its mini-batch's.
+        coefficient: its factor in the loss (0: logged only, never differentiated).
+    """
+
+    value: torch.Tensor
+    mode: str
+    coefficient: float = 1.0
+
+
+@dataclass
 class UpdateSettings:
     """How one update splits the batch, read from the config for each update (a setting changed
     between steps is taken at the next one).
@@ -48,7 +61,7 @@ class UpdateSettings:
         epochs: ``ppo_epochs``.
         mini_rows: rows per optimiser step (``ppo_mini_batch_size`` x ``rollout.n``).
         micro_rows: rows per forward pass (``ppo_micro_batch_size_per_gpu``; None: the mini-batch).
-        loss_agg_mode, grad_clip: the model's settings.
+        grad_clip: the model's gradient clip.
         passes: the forward passes of :mod:`refppo.accel`, whose ``micro_batches`` splits a
             mini-batch (by rows, or by a token budget).
     """
@@ -56,7 +69,6 @@ class UpdateSettings:
     epochs: int
     mini_rows: int
     micro_rows: int | None
-    loss_agg_mode: str
     grad_clip: float
     passes: object
 
@@ -72,18 +84,18 @@ def minibatch_updates(
     """``settings.epochs`` x shuffled mini-batches of ``settings.mini_rows`` rows x micro-batches;
     returns one dict of stats per mini-batch.
 
-    Each micro-batch's loss is weighted so the accumulated gradient is the mini-batch loss's
-    gradient exactly; the stats in ``LOSS_STATS`` get the same weights (so they log the
-    mini-batch's value in every ``loss_agg_mode``), the others (token means) the micro-batch's
-    share of valid tokens. With several processes each takes its share of every mini-batch and the
-    stats are summed over them. An update whose gradient norm is not finite is skipped
-    (:func:`count_skips`).
+    Each term of a micro-batch's loss is weighted by its mode's share of the mini-batch
+    (:func:`refppo.losses.agg_loss_weight`), so the accumulated gradient is the mini-batch loss's
+    gradient exactly, and its logged value the mini-batch's, whatever the modes; the other stats
+    (token means) get the micro-batch's share of valid tokens. With several processes each takes
+    its share of every mini-batch and the stats are summed over them. An update whose gradient
+    norm is not finite is skipped (:func:`count_skips`).
 
     Args:
         batch: an evaluated batch, B rows (B a multiple of ``settings.mini_rows``).
         learner: the model to update.
         settings: how its update splits the batch.
-        micro_loss: micro-batch -> (loss scalar, {name: detached scalar}).
+        micro_loss: micro-batch -> ({name: :class:`LossTerm`}, {name: detached scalar}).
         shuffle_gen: the mini-batches' order, drawn again every epoch.
         world: the processes.
     """
@@ -99,12 +111,17 @@ def minibatch_updates(
                 learner.optimizer.zero_grad(set_to_none=True)
                 stats: dict[str, torch.Tensor] = {}
                 for _, mb in settings.passes.micro_batches(mine, settings.micro_rows):
-                    loss, micro_stats = micro_loss(mb)
-                    weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], settings.loss_agg_mode)
-                    (loss * weight).backward()
+                    terms, micro_stats = micro_loss(mb)
                     share = mb["response_mask"].sum() / mini["response_mask"].sum()
+                    loss = 0.0
+                    for name, term in terms.items():
+                        weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], term.mode)
+                        if term.coefficient != 0:  # a logged-only term gets no gradient path
+                            loss = loss + term.coefficient * weight * term.value
+                        stats[name] = stats.get(name, 0.0) + weight * term.value.detach()
+                    loss.backward()
                     for k, v in micro_stats.items():
-                        stats[k] = stats.get(k, 0.0) + (weight if k in LOSS_STATS else share) * v
+                        stats[k] = stats.get(k, 0.0) + share * v
                 stats = distributed.sum_stats(stats, world)
                 stats |= optimizer_step(learner, settings.grad_clip)
                 per_mini.append(stats)

@@ -160,7 +160,8 @@ def _nonempty(where: str, text: str, keys: str) -> str:
 
 def _pair(where: str, record: dict, data, tokenizer) -> tuple:
     """(prompt, chosen, rejected) of one comparison record, in whichever layout it has."""
-    chosen, rejected = record[data.chosen_key], record[data.rejected_key]
+    chosen = record[data.chosen_key]
+    rejected = record[data.rejected_key]
     keys = f"{data.chosen_key!r} and {data.rejected_key!r}"
     if chosen == rejected:
         raise ValueError(f"{where}: {keys} are the same response: nothing to prefer")
@@ -182,7 +183,8 @@ def _pair(where: str, record: dict, data, tokenizer) -> tuple:
             raise ValueError(f"{where}: {keys} hold only the assistant's turn, and there is no {data.prompt_key!r}")
         replies = (chosen[-1]["content"], rejected[-1]["content"])
     elif has_prompt:
-        prompt, replies = _prompt(where, record, data.prompt_key, tokenizer), (chosen, rejected)
+        prompt = _prompt(where, record, data.prompt_key, tokenizer)
+        replies = (chosen, rejected)
     else:
         prompt, replies = _shared_beginning(chosen, rejected)
         if not prompt.strip():

@@ -64,13 +64,15 @@ def prompt_metrics(values: list[float], answers: list[str] | None = None, binary
         best@k and worst@k (each ``/mean`` and ``/std`` over the bootstrap samples), maj@k with
         answers; pass@1 and pass@k when binary.
     """
-    n, v = len(values), np.asarray(values, dtype=np.float64)
+    n = len(values)
+    v = np.asarray(values, dtype=np.float64)
     out = {f"mean@{n}": float(v.mean())}
     if n > 1:
         out[f"std@{n}"] = float(v.std())
     for k in subset_sizes(n):
         idx = bootstrap_indices(n, k)
-        best, worst = v[idx].max(axis=1), v[idx].min(axis=1)
+        best = v[idx].max(axis=1)
+        worst = v[idx].min(axis=1)
         out |= {f"best@{k}/mean": float(best.mean()), f"best@{k}/std": float(best.std())}
         out |= {f"worst@{k}/mean": float(worst.mean()), f"worst@{k}/std": float(worst.std())}
         if answers is not None:
@@ -142,21 +144,30 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
         module docstring); ``trainer.log_val_generations`` samples of the ``val_kwargs`` pass for
         ``val_generations.jsonl`` (none when it is 0).
     """
-    c, world, answer_fn = trainer.config, trainer.world, trainer.answer_fn
-    kw, keep = c.rollout.val_kwargs, c.trainer.log_val_generations
-    out, (records, first, count) = {}, distributed.padded_share(trainer.val_records, world)
+    c = trainer.config
+    world = trainer.world
+    answer_fn = trainer.answer_fn
+    kw = c.rollout.val_kwargs
+    keep = c.trainer.log_val_generations
+    records, first, count = distributed.padded_share(trainer.val_records, world)
+    out = {}
     # texts only where they are read: the val_kwargs pass, which is the greedy one without do_sample
-    want_texts, passes = answer_fn is not None or keep > 0, {}
+    want_texts = answer_fn is not None or keep > 0
+    passes = {}
     for suffix, do_sample in (("", False), ("_sampled", True)):
         batch = trainer.generate(records, n=1, do_sample=do_sample, first_row=first, stream=1)
         passes[suffix] = _gathered(trainer, batch, records, count, want_texts and not (do_sample or kw.do_sample))
         lengths = batch["response_mask"].sum(-1).float()
         out[f"val/response_length{suffix}"] = float(distributed.gather_rows(lengths, world)[:count].mean())
         out |= {f"val/{name}{suffix}": float(values.mean()) for name, values in passes[suffix][0].items()}
-    n, (values, texts) = 1, passes[""]
+    n = 1
+    values, texts = passes[""]
     if kw.do_sample:
         n = kw.n
-        batch = trainer.generate(records, n, True, first_row=first * n, stream=2, sampling=kw)
+        if kw.temperature == 0:  # verl's engine decodes greedily at temperature 0: n equal responses
+            batch = trainer.generate(records, n, do_sample=False, first_row=first * n, stream=2)
+        else:
+            batch = trainer.generate(records, n, do_sample=True, first_row=first * n, stream=2, sampling=kw)
         values, texts = _gathered(trainer, batch, [r for r in records for _ in range(n)], count * n, want_texts)
     sources = [r.get("data_source", c.data.task) for r in trainer.val_records for _ in range(n)]
     prompt_ids = [i for i in range(count) for _ in range(n)]
@@ -170,7 +181,8 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
 def _gathered(trainer, batch: dict[str, torch.Tensor], rows: list[dict], count: int, texts: bool):
     """The scores by name (``score`` and the extras, each (count,)) and, if ``texts``, the
     (prompts, responses) texts of a validation batch: every process's rows, the first ``count``."""
-    world, pad = trainer.world, trainer.tokenizer.pad_token_id
+    world = trainer.world
+    pad = trainer.tokenizer.pad_token_id
     scores, extras = trainer.score(batch, rows)
     values = {k: distributed.gather_rows(v, world)[:count].cpu() for k, v in {"score": scores, **extras}.items()}
     if not texts:

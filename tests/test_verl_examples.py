@@ -1,0 +1,140 @@
+"""verl v0.9.0's own example scripts through ``refppo ppo``.
+
+``tests/data/verl_0_9_0_examples.json`` holds the settings each script under verl's ``examples/``
+passes to ``python3 -m verl.trainer.main_ppo``, as bash expands them with the script's defaults
+(``tests/data/record_verl_examples.py`` recorded them; each line's source is its script's path).
+Each line is read as refppo reads a verl command line, with the data files left out (refppo's
+defaults stand in; the run below gives it verl-format files): it is accepted, or refused for a
+missing feature named in the refusal. Every key any line sets is known to refppo (taken, noted as
+verl's engine's, or refused by name), and every accepted line runs a step with the model, the
+data files and the sizes changed for a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_verl_names import _gsm8k_files, chat_model  # noqa: F401  (a fixture)
+
+from refppo.runs.cli import main
+from refppo.settings.overrides import command_settings
+
+EXAMPLES = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_examples.json").read_text())["lines"]
+DATA_FILES = ("data.train_files=", "data.val_files=")
+
+
+def _read(settings: list[str]) -> str:
+    """'accepted', or the first line of refppo's refusal of the verl line ``settings``."""
+    try:
+        command_settings("ppo", [s for s in settings if not s.startswith(DATA_FILES)])
+    except ValueError as error:
+        return str(error).splitlines()[0]
+    return "accepted"
+
+
+OUTCOMES = {line["script"]: _read(line["settings"]) for line in EXAMPLES}
+UNKNOWN = re.compile(r"^unknown config key '([^']+)'")
+
+
+def _unknown_key(outcome: str) -> str | None:
+    match = UNKNOWN.match(outcome)
+    return match.group(1) if match else None
+
+
+@pytest.mark.parametrize("script", sorted(OUTCOMES))
+def test_each_example_line_is_accepted_or_refused_by_name(script):
+    outcome = OUTCOMES[script]
+    assert _unknown_key(outcome) is None, f"{script}: {outcome}"
+    assert outcome == "accepted" or "refppo does not" in outcome or "verl" in outcome, f"{script}: {outcome}"
+
+
+def test_every_key_of_the_example_lines_is_known():
+    """Each key the lines set, read alone: a line is refused at its first missing feature, which
+    would hide an unknown key after it."""
+    unknown = set()
+    for line in EXAMPLES:
+        for item in line["settings"]:
+            if not item.startswith(DATA_FILES) and _unknown_key(_read([item])) is not None:
+                unknown.add(item.partition("=")[0])
+    assert not unknown, sorted(unknown)
+
+
+def test_the_recorded_lines_are_verls_examples():
+    """A check on the record: 90 scripts, each a path under examples/ with its settings."""
+    assert len(EXAMPLES) == 90
+    assert all(line["script"].startswith("examples/") and line["settings"] for line in EXAMPLES)
+    accepted = Counter(outcome == "accepted" for outcome in OUTCOMES.values())
+    assert accepted[True] >= 41, accepted  # the count when this test was last changed: it may only grow
+
+
+# Sizes a CPU runs in seconds; every other setting as the script passes it.
+SMALL = {
+    "data.train_batch_size": "8",
+    "data.max_prompt_length": "64",
+    "data.max_response_length": "4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
+    "critic.ppo_mini_batch_size": "4",
+    "actor_rollout_ref.model.lora_rank": "8",  # at most the tiny model's width
+    "trainer.logger": "console",
+}
+SMALL_SUFFIXES = {
+    "micro_batch_size_per_gpu": "2",
+    "max_token_len_per_gpu": "512",
+}
+ENGINE_LENGTHS = ("actor_rollout_ref.rollout.prompt_length", "actor_rollout_ref.rollout.response_length")
+DROPPED = ("trainer.total_epochs", "trainer.total_training_steps", "trainer.default_local_dir", *ENGINE_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def reward_model(chat_model, tmp_path_factory):  # noqa: F811
+    """A reward model trained for three steps from the chat model, for the lines that score with one."""
+    out = tmp_path_factory.mktemp("verl_rm") / "rm"
+    argv = ["rm", "data.task=preference", f"model.path={chat_model}", "rm.steps=3", "rm.batch_size=8"]
+    assert main([*argv, "rm.n_pairs=24", f"trainer.output_dir={out}", "trainer.progress_bar=false"]) == 0
+    return out / "model"
+
+
+def _for_a_cpu(settings: list[str], models: tuple[Path, Path], data: Path, out: Path) -> list[str]:
+    """``settings`` with the model paths (the policy's and critic's, the reward model's), the data
+    files, the sizes and the steps changed."""
+    policy, scorer = models
+    changed = []
+    for item in settings:
+        key, _, value = item.partition("=")
+        if "reward_model" in key and key.endswith(("model.path", "model_path")):
+            value = str(scorer)
+        elif key.endswith("model.path"):
+            value = str(policy)
+        elif key == "data.train_files":
+            value = str(data / "train.parquet")
+        elif key == "data.val_files":
+            value = str(data / "test.parquet")
+        elif key == "actor_rollout_ref.rollout.n":
+            value = str(min(int(value), 4))
+        elif key in SMALL:
+            value = SMALL[key]
+        elif key.endswith(tuple(SMALL_SUFFIXES)):
+            value = next(v for suffix, v in SMALL_SUFFIXES.items() if key.endswith(suffix))
+        elif key in DROPPED:
+            continue
+        changed.append(f"{key}={value}")
+    return [
+        *changed,
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={out}",
+        "trainer.progress_bar=false",
+    ]
+
+
+@pytest.mark.parametrize("script", sorted(s for s, outcome in OUTCOMES.items() if outcome == "accepted"))
+def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model, tmp_path):  # noqa: F811
+    _gsm8k_files(tmp_path, ("train", "test"), 16)
+    settings = next(line["settings"] for line in EXAMPLES if line["script"] == script)
+    out = tmp_path / "run"
+    assert main(["ppo", *_for_a_cpu(settings, (chat_model, reward_model), tmp_path, out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and "actor/pg_loss" in rows[-1], rows[-1].keys()
