@@ -671,3 +671,43 @@ def test_reference_and_reward_inputs_never_get_gradients():
             assert not value.requires_grad, key
     assert all(not p.requires_grad for p in trainer.reference.parameters())
     assert math.isfinite(trainer.train_step()["actor/kl_loss"])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_mini_batches_come_in_the_batchs_order_without_shuffle(shuffle):
+    """verl 0.9's ``RayPPOTrainer._update_actor`` / ``_update_critic`` pass
+    ``dataloader_kwargs={"shuffle": actor.shuffle}`` (``critic.shuffle``, which its YAML takes from the
+    actor's) to ``make_iterator`` (``verl/utils/tensordict_utils.py``), a DataLoader over the
+    batch's rows: unshuffled, every epoch's mini-batches are the rows in order."""
+    trainer = make_trainer(
+        [*BATCH, f"actor.shuffle={str(shuffle).lower()}", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=2"]
+    )
+    seen = {"actor": [], "critic": []}
+    for name in seen:
+        loss = getattr(trainer, f"_{name}_loss")
+        setattr(
+            trainer, f"_{name}_loss", lambda mb, _loss=loss, _name=name: seen[_name].append(mb["uid_row"]) or _loss(mb)
+        )
+    evaluate = trainer.evaluate
+
+    def numbered(batch, *args, **kw):
+        stats = evaluate(batch, *args, **kw)
+        batch["uid_row"] = torch.arange(batch["response_mask"].shape[0])
+        return stats
+
+    trainer.evaluate = numbered
+    trainer.train_step()
+    for name, rows in seen.items():
+        order = torch.cat(rows).tolist()
+        in_order = list(range(8)) * 2
+        assert (order == in_order) == (not shuffle), (name, order)
+    assert trainer.config.critic.shuffle is None, "the critic follows the actor's"
+
+
+def test_a_verl_line_keeps_the_batchs_order():
+    from refppo.settings.overrides import command_settings
+
+    config, notes = command_settings("ppo", ["actor_rollout_ref.actor.optim.lr=1e-6"])
+    assert config.actor.shuffle is False and "actor.shuffle=false" in notes[-1]
+    config, _ = command_settings("ppo", ["actor_rollout_ref.actor.shuffle=true", "critic.shuffle=false"])
+    assert config.actor.shuffle is True and config.critic.shuffle is False

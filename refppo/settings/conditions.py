@@ -117,12 +117,12 @@ HELD_OUT_SHARE = when(
 
 
 # The critic settings that are the actor's when unset (verl's config interpolates them).
-CRITIC_FROM_ACTOR = ("ppo_epochs", "ppo_mini_batch_size", "loss_agg_mode", "loss_scale_factor")
+CRITIC_FROM_ACTOR = ("ppo_epochs", "ppo_mini_batch_size", "shuffle", "loss_agg_mode", "loss_scale_factor")
 
 
 def critic_setting(config, name: str):
     """``critic.<name>``, or ``actor.<name>`` when unset, for a name in ``CRITIC_FROM_ACTOR``:
-    ``ppo_epochs``, ``ppo_mini_batch_size`` (prompts), ``loss_agg_mode``, ``loss_scale_factor``
+    ``ppo_epochs``, ``ppo_mini_batch_size`` (prompts), ``shuffle``, ``loss_agg_mode``, ``loss_scale_factor``
     (still None when both are: the trainer then divides by ``data.max_response_length``)."""
     value = getattr(config.critic, name)
     return getattr(config.actor, name) if value is None else value

@@ -193,6 +193,9 @@ class ActorConfig:
     use_dynamic_bsz: bool = setting(False, resumable=True)
     ppo_max_token_len_per_gpu: int = setting(16384, COUNT, needs=DYNAMIC_BSZ, resumable=True)
     ppo_epochs: int = setting(1, COUNT)
+    # each epoch's mini-batches drawn afresh from a seeded order, as textbook PPO does; false: the
+    # batch's own order every epoch (verl's default, which keeps GRPO's groups together)
+    shuffle: bool = setting(True)
     clip_ratio: float = setting(0.2, "[0, 1)", needs=(LOSS_TAKES, ONE_CLIP_BOUND_UNSET))
     # >= 1: no lower bound on the ratio (CISPO's recipe sets 10), as verl accepts
     clip_ratio_low: float | None = setting(None, NONNEG, needs=LOSS_TAKES)
@@ -292,6 +295,7 @@ class CriticConfig:
     optim: OptimConfig = section(lambda: OptimConfig(lr=1e-3))
     ppo_epochs: int | None = setting(None, COUNT)  # None: actor.ppo_epochs (verl interpolates the same way)
     ppo_mini_batch_size: int | None = setting(None, COUNT)  # prompts per step; None: actor.ppo_mini_batch_size
+    shuffle: bool | None = setting(None)  # None: actor.shuffle (as verl interpolates)
     ppo_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=CRITIC_ROWS, resumable=True)
     use_dynamic_bsz: bool = setting(False, resumable=True)  # as actor.use_dynamic_bsz, for the update and values
     ppo_max_token_len_per_gpu: int = setting(32768, COUNT, needs=DYNAMIC_BSZ, resumable=True)

@@ -73,18 +73,24 @@ OTHER_DEFAULTS = {
     "trainer.save_freq": (-1, "a run never loses work: a checkpoint every 100 steps"),
     "trainer.test_freq": (-1, "the book plots held-out scores through a run"),
     "trainer.critic_warmup": (0, "a fresh critic needs a few steps to follow the returns (read only with a critic)"),
+    "actor.shuffle": (
+        False,
+        "textbook PPO (the PPO paper's minibatch SGD, CleanRL) draws each epoch's mini-batches afresh",
+    ),
     "trainer.logger": (["console", "wandb"], "metrics.jsonl is always written; the others are optional packages"),
     "trainer.project_name": ("verl_examples", "refppo's runs"),
     "trainer.experiment_name": ("gsm8k", "null names the wandb or MLflow run after its run folder"),
 }
 
 
-# The settings whose default refppo chose for its tiny CPU models. A verl command line means verl's
-# config, so it starts from verl's defaults for these (those it reads; :func:`verl_line_defaults`).
+# The settings whose default refppo chose for its tiny CPU models (and the textbook's mini-batch
+# order). A verl command line means verl's config, so it starts from verl's defaults for these
+# (those it reads; :func:`verl_line_defaults`).
 FOR_TINY_MODELS = (
     "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
     "model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing", "actor.optim.lr",
     "critic.optim.lr", "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.ppo_mini_batch_size",
+    "actor.shuffle",
     "trainer.save_freq", "trainer.test_freq", "trainer.critic_warmup", "trainer.total_epochs",
 )  # fmt: skip
 

@@ -168,8 +168,6 @@ MISSING = {
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode's REINFORCE loss"),
     "actor_rollout_ref.rollout.do_sample": ("true", "greedy rollouts"),
     "actor_rollout_ref.rollout.over_sample_rate": ("0", "over-sampling with early stopping"),
-    "actor_rollout_ref.actor.shuffle": ("false", "shuffling the mini-batches of an epoch"),
-    "critic.shuffle": ("false", "shuffling the mini-batches of an epoch"),
     "actor_rollout_ref.actor.use_prefix_grouper": ("false", "prefix-shared forward passes"),
     "actor_rollout_ref.actor.calculate_sum_pi_squared": ("false", "the sum of squared probabilities"),
     "data.train_max_samples": ("-1", "a cap on the training records"),
@@ -376,6 +374,9 @@ def is_verl_line(overrides: list[str]) -> bool:
 
 
 def verl_key(key: str) -> str:
-    """verl 0.9's full path of a refppo setting (``model.path`` -> ``actor_rollout_ref.model.path``)."""
-    reverse = {v: k for k, v in NAMES.items()}
-    return reverse.get(key, full_path(key))
+    """verl 0.9's full path of a refppo setting (``model.path`` -> ``actor_rollout_ref.model.path``);
+    where verl has two places for one setting, the first of :data:`NAMES` (its current one)."""
+    for verl, name in NAMES.items():
+        if name == key:
+            return verl
+    return full_path(key)

@@ -22,8 +22,8 @@ Update
    ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a row count,
    or of a token budget with ``use_dynamic_bsz``), each model with its own optimiser, gradient
    clipping and LR schedule (:mod:`refppo.training.update`). Rows are reshuffled every epoch, as
-   textbook PPO does; verl cuts its batch in order (reordered by length to balance its GPUs) every
-   epoch.
+   textbook PPO does; with ``actor.shuffle=false`` (verl's default) every epoch cuts the batch in
+   its order, as verl does (verl's batch is first reordered by length to balance its GPUs).
 
 9. Metrics, in verl's names, gathered to the host in one transfer.
 
@@ -178,6 +178,7 @@ class PPOTrainer:
             epochs=setting("ppo_epochs"),
             mini_rows=setting("ppo_mini_batch_size") * c.rollout.n,
             micro_rows=getattr(c, role).ppo_micro_batch_size_per_gpu,
+            shuffle=setting("shuffle"),
             grad_clip=getattr(c, role).grad_clip,
             passes=self.accel.actor if role == "actor" else self.accel.critic,
         )

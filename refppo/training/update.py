@@ -61,6 +61,7 @@ class UpdateSettings:
         epochs: ``ppo_epochs``.
         mini_rows: rows per optimiser step (``ppo_mini_batch_size`` x ``rollout.n``).
         micro_rows: rows per forward pass (``ppo_micro_batch_size_per_gpu``; None: the mini-batch).
+        shuffle: each epoch's mini-batches in a fresh order (``shuffle``); else the batch's order.
         grad_clip: the model's gradient clip.
         passes: the forward passes of :mod:`refppo.accel`, whose ``micro_batches`` splits a
             mini-batch (by rows, or by a token budget).
@@ -69,6 +70,7 @@ class UpdateSettings:
     epochs: int
     mini_rows: int
     micro_rows: int | None
+    shuffle: bool
     grad_clip: float
     passes: object
 
@@ -81,8 +83,8 @@ def minibatch_updates(
     shuffle_gen: torch.Generator,
     world: World,
 ) -> list[dict[str, torch.Tensor]]:
-    """``settings.epochs`` x shuffled mini-batches of ``settings.mini_rows`` rows x micro-batches;
-    returns one dict of stats per mini-batch.
+    """``settings.epochs`` x mini-batches of ``settings.mini_rows`` rows (shuffled, or in the
+    batch's order) x micro-batches; returns one dict of stats per mini-batch.
 
     Each term of a micro-batch's loss is weighted by its mode's share of the mini-batch
     (:func:`refppo.losses.agg_loss_weight`), so the accumulated gradient is the mini-batch loss's
@@ -96,7 +98,7 @@ def minibatch_updates(
         learner: the model to update.
         settings: how its update splits the batch.
         micro_loss: micro-batch -> ({name: :class:`LossTerm`}, {name: detached scalar}).
-        shuffle_gen: the mini-batches' order, drawn again every epoch.
+        shuffle_gen: the mini-batches' order, drawn again every epoch (with ``settings.shuffle``).
         world: the processes.
     """
     rows = batch["response_mask"].shape[0]
@@ -104,7 +106,10 @@ def minibatch_updates(
     per_mini = []
     with value_checks(False):  # evaluate checked the batch once; no host sync per micro-batch
         for _ in range(settings.epochs):
-            order = torch.randperm(rows, generator=shuffle_gen).to(device)
+            if settings.shuffle:
+                order = torch.randperm(rows, generator=shuffle_gen).to(device)
+            else:  # verl's default: its DataLoader over the batch's rows, unshuffled
+                order = torch.arange(rows, device=device)
             for idx in order.split(settings.mini_rows):
                 mini = {k: v[idx] for k, v in batch.items()}
                 mine = distributed.take_share(mini, world)
