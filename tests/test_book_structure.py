@@ -8,7 +8,9 @@
 - a write-it-yourself exercise (its title ends "yourself)") is not answered before the exercises:
   the code a reader sees before them (code cells and literalincluded source) neither defines its
   solution's functions, nor the function its statement checks against ("against `name`"), nor
-  repeats a run of its solution's code (as tokens, with every variable renamed).
+  repeats a run of its solution's code (as tokens, with every variable renamed);
+- every chapter (a notebook named ch* or app*) reads in one sitting: at most 4,000 words of prose and
+  450 visible code lines (issue 65; the definitions are in ``chapter_size``'s docstring).
 """
 
 import ast
@@ -31,6 +33,10 @@ WRITE_IT_YOURSELF = re.compile(r"\*\*Exercise (\d+) \([^*]*?yourself\)\.\*\*")
 # chapters' solutions share at most 12 with it (a loop header, a call); the code they asked for
 # shared 19 (chapter 8's best-of-n weights) and 42 (chapter 6's k3) before issue 65.
 SHARED_RUN = 15
+MAX_CHAPTER_WORDS = 4000
+MAX_VISIBLE_CODE_LINES = 450
+HIDDEN_CODE_TAGS = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
+CODE_FENCE = re.compile(r"^(`{3,}|~{3,})(.*)$")
 
 
 def cells(path: Path) -> list[dict]:
@@ -40,6 +46,46 @@ def cells(path: Path) -> list[dict]:
 def words(markdown: str) -> int:
     """Words a reader reads: HTML comments (the coverage markers) are not shown."""
     return len(re.sub(r"<!--.*?-->", "", markdown, flags=re.S).split())
+
+
+def prose(markdown: str) -> str:
+    """Markdown without its fenced code blocks: a fence with no info string, a language name, or a
+    directive that shows code (``{code-block}``, ``{code}``, ``{code-cell}``, ``{literalinclude}``).
+    Other directives (admonitions, figures' captions, math) are kept: a reader reads them."""
+    kept, fence, directives = [], None, []  # the open code fence; the open directives' fences
+    for line in markdown.splitlines():
+        m = CODE_FENCE.match(line.strip())
+        if fence is not None:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not m.group(2).strip():
+                fence = None
+            continue
+        info = m.group(2).strip() if m else ""
+        if m and not info and directives and m.group(1) == directives[-1]:
+            directives.pop()  # a directive's closing fence
+        elif m and info.startswith("{") and not re.match(r"\{(code-block|code-cell|code|literalinclude)\}", info):
+            directives.append(m.group(1))
+        elif m:
+            fence = m.group(1)
+            continue
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def chapter_size(nb_cells: list[dict]) -> tuple[int, int]:
+    """(prose words, visible code lines) of a chapter.
+
+    Prose words: ``words`` of the markdown cells' ``prose``, i.e. markdown outside fenced code
+    blocks, HTML comments not counted. Visible code lines: the lines of the code cells that are not
+    tagged hide-input, hide-cell, remove-input or remove-cell, blank lines included (folded code is
+    one click away; the reader does not read it in passing)."""
+    prose_words = code_lines = 0
+    for cell in nb_cells:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            prose_words += words(prose(source))
+        elif cell["cell_type"] == "code" and not HIDDEN_CODE_TAGS & set(cell.get("metadata", {}).get("tags", [])):
+            code_lines += len(source.splitlines())
+    return prose_words, code_lines
 
 
 def exercise_events(nb_cells: list[dict]) -> list[tuple[str, str]]:
@@ -231,6 +277,16 @@ def test_write_it_yourself_exercises_are_not_answered_before(path):
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_a_chapter_reads_in_one_sitting(path):
+    """At most 4,000 words of prose (markdown outside fenced code blocks, HTML comments not counted)
+    and 450 visible code lines (code cells not tagged hide-input, hide-cell, remove-input or
+    remove-cell; blank lines included): see ``chapter_size``."""
+    prose_words, code_lines = chapter_size(cells(path))
+    assert prose_words <= MAX_CHAPTER_WORDS, f"{path.name}: {prose_words} words of prose"
+    assert code_lines <= MAX_VISIBLE_CODE_LINES, f"{path.name}: {code_lines} visible code lines"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapters_link_the_notation_page(path):
     assert "<notation>" in path.read_text()
 
@@ -251,6 +307,12 @@ def test_the_rules_catch_what_they_name():
     spoiler = [ok[0], ("code", "folded"), *ok[1:]]
     assert exercise_problems(spoiler) == ["exercise 1: code before the hint"]
     assert words("a b <!-- c d e --> f") == 3
+    fenced = "a b\n```python\nx = 1\n```\n```{literalinclude} f.py\n:pyobject: g\n```\n"
+    directive = "```{admonition} Hint\n:class: dropdown\nc d\n```\n"
+    assert prose(fenced + directive) == "a b\n" + directive.rstrip("\n")  # the admonition is read
+    code = {"cell_type": "code", "source": "x = 1\n\ny = 2\n", "metadata": {}}
+    folded = {**code, "metadata": {"tags": ["hide-input"]}}
+    assert chapter_size([code, folded, {"cell_type": "markdown", "source": fenced}]) == (2, 3)
 
 
 def test_the_spoiler_rule_catches_what_it_names(tmp_path):
