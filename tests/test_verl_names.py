@@ -597,3 +597,21 @@ def test_keys_verl_adds_but_never_reads_are_dropped_with_a_note():
     )
     assert config.actor.tau_pos == 1.0
     assert any(n.endswith("verl's SAPO loss reads actor.tau_pos (verl leaves it unread too)") for n in notes), notes
+
+
+def test_every_key_of_verls_configuration_has_a_class():
+    """Each of verl 0.9's ppo_trainer keys (its generated YAML, tests/data), given at its default,
+    is taken, noted as an engine setting, dropped as unread, accepted at its off value, or refused
+    naming what refppo lacks: never "unknown config key", which is for keys verl lacks too."""
+    unknown = []
+    for key, value in VERL.items():
+        literal = not isinstance(value, (list, dict)) and not (isinstance(value, str) and value.startswith("${"))
+        text = format_value(value) if literal else "null"
+        try:
+            command_settings("ppo", [f"{key}={text}"])
+        except ValueError as error:
+            if str(error).startswith("unknown config key"):
+                unknown.append(key)
+    assert not unknown, unknown
+    with pytest.raises(ValueError, match="unknown config key 'actor.optim.lrr'; did you mean actor.optim.lr"):
+        command_settings("ppo", ["actor_rollout_ref.actor.optim.lrr=1e-6"])  # a typo is still one

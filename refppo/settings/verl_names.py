@@ -58,11 +58,56 @@ ADDED = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.log": False,
     "reward_model.reward_kwargs.max_resp_len": None,
 }
-# keys verl's example lines add with "+" that verl's code never reads: dropped with a note
+# verl keys its code does not read here: added with "+" by its example lines and never read, or
+# read only with a feature refppo refuses (so unread on any line refppo accepts): dropped with a note
 UNREAD_BY_VERL = {
     "actor_rollout_ref.actor.policy_loss.tau_pos": "verl's SAPO loss reads actor.tau_pos",
     "actor_rollout_ref.actor.policy_loss.tau_neg": "verl's SAPO loss reads actor.tau_neg",
+    **{f"algorithm.pf_ppo.{k}": "read only with algorithm.use_pf_ppo=true" for k in ("reweight_method", "weight_pow")},
+    **{
+        f"{section}.{k}": "read only with multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.enable=true)"
+        for section in ("actor_rollout_ref.rollout.multi_turn", "data")
+        for k in (
+            "max_assistant_turns",
+            "max_user_turns",
+            "max_parallel_calls",
+            "max_tool_response_length",
+            "tool_response_truncate_side",
+            "tool_config_path",
+            "function_tool_path",
+            "interaction_config_path",
+            "use_inference_chat_template",
+            "tokenization_sanity_check_mode",
+            "format",
+            "num_repeat_rollouts",
+        )
+    },
+    **{
+        f"{role}.router_replay.{k}": "read only with router_replay.mode other than disabled"
+        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")
+        for k in ("record_file", "replay_file")
+    },
+    **{
+        f"reward.reward_manager.module.{k}": "read only with reward.reward_manager.source=importlib"
+        for k in ("name", "path")
+    },
+    **{
+        f"skip.{part}.{k}": f"read only with skip.{part}.enable=true"
+        for part in ("rollout", "async_rollout", "rollout_tq")
+        for k in ("action", "dump_dir", "steps")
+    },  # noqa: E501
+    **{
+        f"{s}.{k}": "read only with a sandbox's url"
+        for s in ("reward.sandbox_fusion", "sandbox_fusion")
+        for k in ("max_concurrent", "memory_limit_mb")
+    },  # noqa: E501
+    "data.return_multi_modal_inputs": "read only with image, video or audio inputs",
+    "reward.custom_reward_function.name": "read only with reward.custom_reward_function.path",
+    "custom_reward_function.name": "read only with custom_reward_function.path",
+    "critic.model.lora_alpha": "read only with a LoRA critic (critic.model.lora_rank > 0)",
 }
+# the values that turn a feature off: a NOT_IMPLEMENTED key given one of them is accepted with a note
+OFF = ("null", "false", "0", "[]", "{}", "", "disabled")
 # verl features outside refppo's scope or not there yet, whatever their value: refused, naming
 # what is missing (a key, or a prefix ending in ".")
 NOT_IMPLEMENTED = {
@@ -85,12 +130,45 @@ NOT_IMPLEMENTED = {
     "algorithm.gdpo_reward_keys": "GDPO's normalisation of each reward component",
     "data.continuous_token.": "continuous-token inputs",
     "data.custom_cls.": "dataset classes from a file",
-    "reward.custom_reward_function.": "reward functions from a file",
+    "reward.custom_reward_function.path": "reward functions from a file",
+    "custom_reward_function.path": "reward functions from a file",
+    "data.audio_key": "audio inputs",
+    "data.mm_processor_kwargs": "image, video or audio inputs",
+    "actor_rollout_ref.actor.freeze_vision_tower": "vision-language models",
+    "data.tokenizer": "a tokenizer other than the model's",
+    "data.seed": "a prompt order seeded apart from trainer.seed",
+    "data.apply_chat_template_kwargs": "keyword arguments to the chat template",
+    "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn and tool-calling rollouts",
     **{
-        f"actor_rollout_ref.model.lora.{k}": "Megatron's LoRA (refppo's LoRA is PEFT's: model.lora_rank, "
-        "model.lora_alpha)"
-        for k in ("rank", "alpha", "lora_A_init_method", "lora_B_init_method", "target_modules", "dropout")
+        f"{role}.{k}": f"{what} (null: the model's own)"
+        for role in ("actor_rollout_ref.model", "critic.model")
+        for k, what in (
+            ("custom_chat_template", "a chat template other than the tokenizer's"),
+            ("hf_config_path", "a model config from another path"),
+            ("tokenizer_path", "a tokenizer from another path"),
+            ("external_lib", "importing a library for the model's code"),
+        )
     },
+    "actor_rollout_ref.model.override_config": "overriding the model's own config",
+    "critic.model.override_config": "overriding the model's own config",
+    "critic.model.exclude_modules": "LoRA on some of the linear layers (refppo adapts all of them)",
+    "critic.model.lora.": "Megatron's LoRA (refppo's LoRA is PEFT's, the actor's alone)",
+    "critic.model.mtp.": "multi-token prediction",
+    "actor_rollout_ref.rollout.mtp": "multi-token prediction",
+    "actor_rollout_ref.actor.qat.": "quantisation-aware training",
+    "actor_rollout_ref.rollout.qat": "quantisation-aware training",
+    "actor_rollout_ref.rollout.quantization": "quantised rollouts",
+    "actor_rollout_ref.rollout.quantization_config_file": "quantised rollouts",
+    "actor_rollout_ref.rollout.logprobs_mode": "the engine's log-prob modes (refppo records log softmax(logits / "
+    "temperature) of each sampled token)",
+    **{f"reward_model.reward_loop_{k}": "reward loops from a file" for k in ("class_name", "module_path", "source")},
+    "critic.model.lora_rank": "a LoRA critic",
+    "critic.model.lora_adapter_path": "a LoRA critic",
+    "reward_model.model.external_lib": "importing a library for the reward model's code",
+    "reward.sandbox_fusion.url": "rewards from running code in a sandbox",
+    "sandbox_fusion.url": "rewards from running code in a sandbox",
+    **{f"skip.{part}.enable": "replaying saved rollouts" for part in ("rollout", "async_rollout", "rollout_tq")},
+    "actor_rollout_ref.model.lora.": "Megatron's LoRA (refppo's LoRA is PEFT's: model.lora_rank, model.lora_alpha)",
 }
 VALUES = {("actor.policy_loss", "vanilla"): "clip"}  # verl's name of a value -> refppo's
 # a verl setting whose values are refppo settings
@@ -151,7 +229,16 @@ ENGINE = (
     *(f"actor_rollout_ref.{r}.{engine}." for r in ("actor", "ref") for engine in ("megatron", "veomni", "mindspeed")),
     "actor_rollout_ref.actor.engine.", "critic.megatron.",
     "actor_rollout_ref.actor.optim.override_optimizer_config.",
-    "actor_rollout_ref.actor.pad_to_length",
+    "actor_rollout_ref.actor.pad_to_length", "actor_rollout_ref.ref.pad_to_length",
+    "actor_rollout_ref.actor.optim.override_optimizer_config", "critic.optim.override_optimizer_config",
+    "actor_rollout_ref.model.tiled_mlp.", "critic.model.tiled_mlp.", "actor_rollout_ref.model.fused_kernel_options.",
+    "critic.model.fused_kernel_options.", "critic.model.use_fused_kernels", "actor_rollout_ref.actor.use_fused_kernels",
+    "actor_rollout_ref.rollout.full_determinism", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
+    "actor_rollout_ref.rollout.disaggregation.", "actor_rollout_ref.rollout.seed",  # the engine's own sampling seed
+    "reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes",
+    "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
+    "reward_model.num_workers",
+    "reward_model.rollout.", "trainer.rollout_data_dir", "trainer.validation_data_dir",
     "actor_rollout_ref.rollout.dtype", "reward.reward_model.rollout.", "actor_rollout_ref.model.lora.merge",
     "global_profiler.", "ray_kwargs.", "transfer_queue.",
 )  # fmt: skip
@@ -186,6 +273,37 @@ MISSING = {
         "Megatron's schedule names (refppo's: actor.optim.lr_scheduler_type)",
     ),
     "actor_rollout_ref.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
+    "critic.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
+    "critic.model.trust_remote_code": ("false", "models with their own code (trust_remote_code)"),
+    "reward_model.model.trust_remote_code": ("null", "models with their own code (trust_remote_code)"),
+    **{
+        f"{opt}.{k}": (off, what)
+        for opt in ("actor_rollout_ref.actor.optim", "critic.optim")
+        for k, off, what in (
+            ("optimizer", "adamw", "other optimizers"),
+            ("optimizer_impl", "torch.optim", "optimizers from other libraries"),
+            ("num_cycles", "0.5", "cosine schedules of other cycle counts"),
+            ("total_training_steps", "-1", "a schedule length other than the run's"),
+            ("warmup_style", "null", "the deprecated warmup_style (lr_scheduler_type is the setting)"),
+            ("zero_indexed_step", "true", "a schedule counted from step 1"),
+        )
+    },
+    **{
+        key: ("null", "the deprecated global micro-batch sizes (the *_per_gpu settings)")
+        for key in (
+            "actor_rollout_ref.actor.ppo_micro_batch_size",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+            "critic.ppo_micro_batch_size",
+            "critic.forward_micro_batch_size",
+        )
+    },
+    "actor_rollout_ref.actor.data_loader_seed": ("42", "a mini-batch order seeded apart from trainer.seed"),
+    "critic.data_loader_seed": ("42", "a mini-batch order seeded apart from trainer.seed"),
+    "data.validation_shuffle": ("false", "a shuffled evaluation order"),
+    "reward.reward_manager.source": ("register", "reward managers from a file"),
+    "actor_rollout_ref.actor.router_replay.mode": ("disabled", "replaying MoE routing"),
+    "actor_rollout_ref.ref.router_replay.mode": ("disabled", "replaying MoE routing"),
 }
 
 # values of verl 0.9's registries that refppo does not implement: what each is missing
@@ -304,9 +422,16 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         full = full_path(key)
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
-        missing = [what for k, what in NOT_IMPLEMENTED.items() if full == k or (k.endswith(".") and full.startswith(k))]
-        if missing:
+        missing = [
+            what
+            for k, what in NOT_IMPLEMENTED.items()
+            if full not in ENGINE and (full == k or (k.endswith(".") and full.startswith(k)))
+        ]
+        if missing and not (sep and _plain(text) in OFF):
             raise ValueError(f"{key}{sep}{text}: refppo does not implement {missing[0]}")
+        if missing:
+            notes.append(f"{key}={text} is refppo's behaviour already (it does not implement {missing[0]})")
+            continue
         if sep and full == "critic.enable":
             critic_enable = text
             continue
