@@ -22,6 +22,8 @@ from test_verl_names import _gsm8k_files, chat_model  # noqa: F401  (a fixture)
 
 from refppo.runs.cli import main
 from refppo.settings.overrides import command_settings
+from refppo.settings.validate import read_settings
+from refppo.settings.verl_map import effective_value, verl_command
 
 EXAMPLES = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_examples.json").read_text())["lines"]
 DATA_FILES = ("data.train_files=", "data.val_files=")
@@ -138,3 +140,22 @@ def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model
     assert main(["ppo", *_for_a_cpu(settings, (chat_model, reward_model), tmp_path, out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and "actor/pg_loss" in rows[-1], rows[-1].keys()
+
+
+def _printed_settings(config) -> list[str]:
+    """The settings of ``refppo ppo --print-verl``'s command line (its comments left out)."""
+    line = verl_command(config).split("\n# refppo settings")[0]
+    return [item.strip().rstrip("\\").strip() for item in line.splitlines()[1:] if item.strip()]
+
+
+@pytest.mark.parametrize("script", sorted(s for s, outcome in OUTCOMES.items() if outcome == "accepted"))
+def test_print_verl_round_trips_each_accepted_line(script):
+    """The line ``--print-verl`` prints for an example's settings reads back as the same run: every
+    setting the run reads has the same value (a null that stands for another setting is printed as
+    that setting's value, as verl needs it, so the two are compared as refppo runs them)."""
+    settings = next(line["settings"] for line in EXAMPLES if line["script"] == script)
+    config, _ = command_settings("ppo", [s for s in settings if not s.startswith(DATA_FILES)])
+    again, _ = command_settings("ppo", _printed_settings(config))
+    for key in read_settings("ppo", config):
+        assert effective_value(again, key) == effective_value(config, key), key
+    assert set(read_settings("ppo", again)) == set(read_settings("ppo", config))

@@ -121,9 +121,15 @@ def key_map(config: Config | None = None) -> list[tuple[str, str, str, str, str]
     return rows
 
 
-def _effective(config: Config, key: str):
-    """The value refppo runs with, where a null setting stands for another's (verl would read the
-    null as it is)."""
+def effective_value(config: Config, key: str):
+    """The value refppo runs ``key`` with, where a null setting stands for another's (verl would
+    read the null as it is): a micro-batch's rows, the critic's fallbacks to the actor's, the
+    clip bounds, the critic's model and DAPO's response length.
+
+    Args:
+        config: the settings.
+        key: a refppo setting (``actor.clip_ratio_low``).
+    """
     section, _, name = key.rpartition(".")
     value = get_value(config, key)
     n = config.rollout.n
@@ -159,11 +165,14 @@ def verl_command(config: Config, command: str = "ppo") -> str:
     lines = ["python3 -m verl.trainer.main_ppo"]
     alone = []
     for key in read:
-        value = _effective(config, key)
+        value = effective_value(config, key)
         if (key, value) in (("data.task", "file"), ("trainer.device", "auto")):
             continue  # what verl does: prompts from files, CUDA
         if key == "actor.clip_ratio" and "actor.clip_ratio_low" in read:
             continue  # both bounds are given
+        if key == "trainer.resume":  # verl's resume_mode, whose default is auto
+            lines.append(f"    trainer.resume_mode={'auto' if value else 'disable'}")
+            continue
         if key in REFPPO_ONLY or (key.endswith("model.path") and value is None):
             alone.append(f"#   {key}={format_value(value)}: {REFPPO_ONLY.get(key, TINY)}")
             continue
