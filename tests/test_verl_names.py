@@ -615,3 +615,71 @@ def test_every_key_of_verls_configuration_has_a_class():
     assert not unknown, unknown
     with pytest.raises(ValueError, match="unknown config key 'actor.optim.lrr'; did you mean actor.optim.lr"):
         command_settings("ppo", ["actor_rollout_ref.actor.optim.lrr=1e-6"])  # a typo is still one
+
+
+VERL_REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Scores as verl's example reward functions do: 1 for the right answer, a dict with extras."""
+    seen.append((data_source, extra_info))
+    extra_info["touched"] = True  # the record's own extra_info must not change
+    return {"score": float(solution_str.strip() == ground_truth), "acc": 1.0}
+
+
+def plain(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.5
+
+
+seen = []
+'''
+
+
+def test_a_custom_reward_function_file_is_called_as_verls_reward_manager_calls_it(tmp_path):
+    """verl 0.9's ``get_custom_reward_fn`` (``verl/trainer/ppo/reward.py``) loads ``name`` from
+    ``path``; its naive reward manager calls it with data_source, solution_str, ground_truth and
+    extra_info, and takes a dict's "score"."""
+    from refppo.training.reward_fns import load_verl_reward_fn
+
+    file = tmp_path / "my_reward.py"
+    file.write_text(VERL_REWARD_FILE)
+    records = [
+        {"data_source": "mine", "reward_model": {"ground_truth": "4"}, "extra_info": {"index": i}} for i in range(3)
+    ]
+    reward = load_verl_reward_fn(str(file), "compute_score")
+    assert reward(["p"] * 3, ["4", " 4 ", "5"], records) == [1.0, 1.0, 0.0]
+    assert records[0]["extra_info"] == {"index": 0}, "a copy of extra_info is passed"
+    assert load_verl_reward_fn(str(file), "plain")(["p"], ["x"], records[:1]) == [0.5]
+    with pytest.raises(ValueError, match="no Python file there"):
+        load_verl_reward_fn(str(tmp_path / "absent.py"), "compute_score")
+    with pytest.raises(ValueError, match="has no function 'nothing'"):
+        load_verl_reward_fn(str(file), "nothing")
+    file.write_text("def compute_score(text):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"cannot be called as fn\(data_source=..."):
+        load_verl_reward_fn(str(file), "compute_score")
+
+
+def test_a_verl_line_with_a_custom_reward_function_trains_on_it(chat_model, tmp_path):
+    _gsm8k_files(tmp_path, ("train", "test"), 16)
+    file = tmp_path / "my_reward.py"
+    file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.25\n")
+    out = tmp_path / "run"
+    line = [
+        f"actor_rollout_ref.model.path={chat_model}",
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'test.parquet'}",
+        f"reward.custom_reward_function.path={file}",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "data.max_prompt_length=64",
+        "data.max_response_length=4",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={out}",
+        "trainer.progress_bar=false",
+    ]
+    assert main(["ppo", *line]) == 0
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["critic/score/mean"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="both give the training score"):
+        command_settings("ppo", [*line, "reward_model.reward_fn=my.module:fn"])

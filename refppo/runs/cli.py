@@ -292,7 +292,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     from refppo.rollout.models import add_lora, freeze, load_causal_lm, load_value_model
     from refppo.tasks.rules import require_rules
     from refppo.training.fit import fit
-    from refppo.training.reward_fns import load_reward_fn
+    from refppo.training.reward_fns import load_reward_fn, load_verl_reward_fn
     from refppo.training.trainer import PPOTrainer
 
     if config.model.path is None:
@@ -314,7 +314,11 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     reward_model = None
     if rm_cfg.enable:
         reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device, require_head=True))
-    reward_fn = load_reward_fn(rm_cfg.reward_fn) if rm_cfg.reward_fn else task_reward
+    reward_fn = task_reward
+    if rm_cfg.reward_fn:
+        reward_fn = load_reward_fn(rm_cfg.reward_fn)
+    elif rm_cfg.custom_reward_function.path:
+        reward_fn = load_verl_reward_fn(rm_cfg.custom_reward_function.path, rm_cfg.custom_reward_function.name)
     if reward_fn is None and reward_model is None:
         require_rules(train + val)
     if reward_fn is not None:

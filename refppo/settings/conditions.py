@@ -95,6 +95,7 @@ RM_FILE = when(  # refppo rm checks the lengths of a file's comparisons; synthet
 REWARD_MODEL = when(lambda s: s.config.reward_model.enable, "reward_model.enable=true")
 RULE_SCORES = when(lambda s: not s.config.reward_model.enable, "reward_model.enable=false (a rule or reward_fn scores)")
 DAPO_MANAGER = when(lambda s: s.config.reward_model.reward_manager == "dapo", "reward_model.reward_manager=dapo")
+REWARD_FILE = when(lambda s: s.owner.path is not None, "reward_model.custom_reward_function.path=<a .py file>")
 OVERLONG = when(lambda s: s.config.reward_model.overlong_buffer.enable, "reward_model.overlong_buffer.enable=true")
 FILTERING = when(lambda s: s.owner.enable, "algorithm.filter_groups.enable=true")
 FRESH_MODEL = when(

@@ -52,6 +52,7 @@ from refppo.settings.conditions import (
     PREFERENCE,
     REFERENCE,
     REJECTING,
+    REWARD_FILE,
     REWARD_MODEL,
     RM_FILE,
     RULE_SCORES,
@@ -317,6 +318,17 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """``reward_model.custom_reward_function.*`` (verl's ``reward.custom_reward_function.*``): a
+    reward function in a Python file, called for each response as verl's reward managers call it,
+    ``name(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``
+    (:func:`refppo.training.reward_fns.load_verl_reward_fn`)."""
+
+    path: str | None = setting(None, needs=RULE_SCORES)  # a .py file; null: none
+    name: str = setting("compute_score", needs=REWARD_FILE)  # the function in it
+
+
+@dataclass
 class RewardModelConfig:
     """``reward_model.*`` (verl's ``reward_model.*``; ``reward_fn`` plays verl's
     ``custom_reward_function``): where scores come from."""
@@ -324,6 +336,7 @@ class RewardModelConfig:
     enable: bool = setting(False)  # score with the reward model at model.path
     model: PathConfig = section(PathConfig, needs=REWARD_MODEL)
     reward_fn: str | None = setting(None)  # "package.module:function"; None: the task's own rule
+    custom_reward_function: CustomRewardFunctionConfig = section(CustomRewardFunctionConfig)  # verl's: from a file
     micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=REWARD_MODEL, resumable=True)
     # subtracted from the score of a response that never ended (as TRL); with rollout.ignore_eos
     # every response runs to the limit, and the penalty would shift every score alike

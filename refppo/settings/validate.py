@@ -294,6 +294,11 @@ def _check_combinations(config: Config) -> None:
         "reward_model.enable=true and reward_model.reward_fn both give the training score: drop one "
         "(with the reward model, the task's own rule is reported as reward/gold, never trained on)",
     )
+    _require(
+        not (rm.reward_fn and rm.custom_reward_function.path),
+        "reward_model.reward_fn and reward_model.custom_reward_function.path (verl's "
+        "reward.custom_reward_function.path) both give the training score: give one",
+    )
 
 
 def _checkpointing_settings(config) -> dict[str, bool]:

@@ -37,6 +37,9 @@ NAMES = {
         for k in ("enable", "len", "penalty_factor", "log")
     },
     "reward.reward_kwargs.max_resp_len": "reward_model.max_resp_len",
+    **{f"reward.custom_reward_function.{k}": f"reward_model.custom_reward_function.{k}" for k in ("path", "name")},
+    # verl 0.9's older place for the custom reward function
+    **{f"custom_reward_function.{k}": f"reward_model.custom_reward_function.{k}" for k in ("path", "name")},
     # verl 0.9's older place for the DAPO reward manager's keywords
     **{
         f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}": f"reward_model.overlong_buffer.{k}"
@@ -102,8 +105,6 @@ UNREAD_BY_VERL = {
         for k in ("max_concurrent", "memory_limit_mb")
     },  # noqa: E501
     "data.return_multi_modal_inputs": "read only with image, video or audio inputs",
-    "reward.custom_reward_function.name": "read only with reward.custom_reward_function.path",
-    "custom_reward_function.name": "read only with custom_reward_function.path",
     "critic.model.lora_alpha": "read only with a LoRA critic (critic.model.lora_rank > 0)",
 }
 # the values that turn a feature off: a NOT_IMPLEMENTED key given one of them is accepted with a note
@@ -130,8 +131,6 @@ NOT_IMPLEMENTED = {
     "algorithm.gdpo_reward_keys": "GDPO's normalisation of each reward component",
     "data.continuous_token.": "continuous-token inputs",
     "data.custom_cls.": "dataset classes from a file",
-    "reward.custom_reward_function.path": "reward functions from a file",
-    "custom_reward_function.path": "reward functions from a file",
     "data.audio_key": "audio inputs",
     "data.mm_processor_kwargs": "image, video or audio inputs",
     "actor_rollout_ref.actor.freeze_vision_tower": "vision-language models",

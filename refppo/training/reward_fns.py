@@ -1,13 +1,16 @@
-"""Reward functions a user names (``reward_model.reward_fn=package.module:function``): importing
-one, and checking that it returns one finite number per response."""
+"""Reward functions a user names: ``reward_model.reward_fn=package.module:function``, or a
+function in a Python file as verl names one (``reward.custom_reward_function.path`` and ``.name``);
+importing one, and checking that it returns one finite number per response."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -41,6 +44,55 @@ def load_reward_fn(spec: str):
     except ValueError:  # a builtin without a signature: called as it is
         pass
     return fn
+
+
+def load_verl_reward_fn(path: str, name: str) -> RewardFn:
+    """The function ``name`` of the Python file ``path``, as verl 0.9 loads a custom reward function
+    (``get_custom_reward_fn`` in ``verl/trainer/ppo/reward.py``), called for each response as verl's
+    naive reward manager calls it (``verl/experimental/reward_loop/reward_manager/naive.py``):
+    ``name(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``, from the record's
+    ``data_source``, the response's text, ``reward_model.ground_truth`` and a copy of
+    ``extra_info``; a dict result's score is its ``"score"``.
+
+    Args:
+        path: a .py file.
+        name: the function in it.
+
+    Returns:
+        ``fn(prompts, responses, records) -> (B,) scores``.
+    """
+    key = "reward_model.custom_reward_function"
+    file = Path(path)
+    if file.suffix != ".py" or not file.is_file():
+        raise ValueError(f"{key}.path={path!r}: no Python file there")
+    spec = importlib.util.spec_from_file_location(f"refppo_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{key}.name={name!r}: {file} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info={})
+    except TypeError as error:
+        call = "fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)"
+        raise ValueError(f"{key}.name={name!r} cannot be called as {call}: {error}") from None
+
+    def reward(prompts: list[str], responses: list[str], records: list[dict]) -> list[float]:
+        scores = []
+        for text, record in zip(responses, records, strict=True):
+            truth = record.get("reward_model")
+            result = fn(
+                data_source=record.get("data_source"),
+                solution_str=text,
+                ground_truth=truth.get("ground_truth") if isinstance(truth, dict) else None,
+                extra_info=dict(record.get("extra_info") or {}),
+            )
+            scores.append(result["score"] if isinstance(result, dict) else result)
+        return scores
+
+    reward.__module__ = str(file)
+    reward.__qualname__ = name
+    return reward
 
 
 def check_scores(scores, rows: int, source: str) -> torch.Tensor:
