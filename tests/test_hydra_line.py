@@ -115,3 +115,20 @@ def test_a_configuration_refppo_cannot_read_is_refused(tmp_path, text, message):
 def test_plus_on_a_setting_of_refppo_alone_sets_it():
     config, _ = command_settings("ppo", ["+trainer.seed=3"])  # trainer.seed: refppo's, not verl's
     assert config.trainer.seed == 3
+
+
+def test_print_verl_yaml_is_a_configuration_verl_loads(tmp_path, capsys):
+    """The YAML puts verl's own configurations on Hydra's search path and composes its
+    ``ppo_trainer`` first, as a user configuration for verl's main_ppo must."""
+    import yaml
+
+    assert main(["ppo", "model.path=runs/sft/model", "actor.optim.lr=1e-5", "--print-verl-yaml"]) == 0
+    text = capsys.readouterr().out
+    loaded = yaml.safe_load(text)
+    assert loaded["hydra"] == {"searchpath": ["pkg://verl.trainer.config"]}
+    assert loaded["defaults"] == ["ppo_trainer", "_self_"]
+    assert loaded["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-5
+    assert "# refppo settings verl has no counterpart for:" in text
+    (tmp_path / "other.yaml").write_text("hydra:\n  searchpath: [file:///elsewhere]\n")
+    with pytest.raises(ValueError, match="its hydra section may only add verl's configurations"):
+        command_settings("ppo", [f"--config-path={tmp_path}", "--config-name=other"])

@@ -23,7 +23,7 @@ from test_verl_names import _gsm8k_files, chat_model  # noqa: F401  (a fixture)
 from refppo.runs.cli import main
 from refppo.settings.overrides import command_settings
 from refppo.settings.validate import read_settings
-from refppo.settings.verl_map import effective_value, verl_command
+from refppo.settings.verl_map import effective_value, verl_command, verl_yaml
 
 EXAMPLES = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_examples.json").read_text())["lines"]
 DATA_FILES = ("data.train_files=", "data.val_files=")
@@ -159,3 +159,16 @@ def test_print_verl_round_trips_each_accepted_line(script):
     for key in read_settings("ppo", config):
         assert effective_value(again, key) == effective_value(config, key), key
     assert set(read_settings("ppo", again)) == set(read_settings("ppo", config))
+
+
+@pytest.mark.parametrize("script", sorted(s for s, outcome in OUTCOMES.items() if outcome == "accepted"))
+def test_print_verl_yaml_round_trips_each_accepted_line(script, tmp_path):
+    """``--print-verl-yaml`` writes the run as a YAML verl's main_ppo loads (``ppo_trainer`` through
+    Hydra's search path, then the settings); read back with ``--config-path`` it is the same run."""
+    settings = next(line["settings"] for line in EXAMPLES if line["script"] == script)
+    config, _ = command_settings("ppo", [s for s in settings if not s.startswith(DATA_FILES)])
+    (tmp_path / "run.yaml").write_text(verl_yaml(config))
+    again, notes = command_settings("ppo", [f"--config-path={tmp_path}", "--config-name=run"])
+    for key in read_settings("ppo", config):
+        assert effective_value(again, key) == effective_value(config, key), key
+    assert any(note.startswith("the settings of") for note in notes)

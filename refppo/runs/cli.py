@@ -11,6 +11,7 @@ the merged model, and ``<run>/actor_adapter`` holds the adapter alone). Examples
     refppo plot runs/ppo runs/grpo -m val/score -m response_length/mean -o curves.png
     refppo doctor runs/ppo
     refppo ppo model.path=runs/sft/model --print-verl   # the same run as a verl command line
+    refppo ppo model.path=runs/sft/model --print-verl-yaml > run.yaml   # ... as a verl YAML
 
 Settings take refppo's short keys or verl 0.9's full ones (``actor_rollout_ref.actor.optim.lr``);
 a setting of verl's engine is noted and has no effect (:mod:`refppo.settings.verl_names`).
@@ -44,10 +45,13 @@ from refppo.settings.declare import check_once
 from refppo.settings.hydra_line import hydra_settings, split_config_options
 from refppo.settings.overrides import command_settings
 from refppo.settings.validate import format_value, ignored_settings, read_settings, valid_text, validate
-from refppo.settings.verl_map import verl_command
+from refppo.settings.verl_map import verl_command, verl_yaml
 from refppo.settings.verl_names import translate
 from refppo.tasks import preference
 from refppo.training.data import preference_sft_examples, sft_examples, task_data, total_steps
+
+# flags that print the run in verl's form instead of running it
+PRINTS = ("--print-verl", "--print-verl-yaml")
 
 
 def settings_help(command: str, config: Config | None = None) -> str:
@@ -69,7 +73,9 @@ def settings_help(command: str, config: Config | None = None) -> str:
             )
         )
     width = max(len(setting) for setting, _ in rows) + 2
-    usage = f"usage: refppo {command} [key=value ...]" + (" [--print-verl]" if command == "ppo" else "")
+    usage = f"usage: refppo {command} [key=value ...]" + (
+        " [--print-verl | --print-verl-yaml]" if command == "ppo" else ""
+    )
     lines = [usage, "", "settings (key=default, then the valid values; verl 0.9's full keys are accepted too):"]
     return "\n".join(lines + [f"  {setting.ljust(width)}{valid}".rstrip() for setting, valid in rows])
 
@@ -427,12 +433,15 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     if "-h" in overrides or "--help" in overrides:
         print(settings_help(command))
         return 0
-    config, notes = command_settings(command, [o for o in overrides if o != "--print-verl"])
+    config, notes = command_settings(command, [o for o in overrides if o not in PRINTS])
     world = launched_world()  # torchrun's processes, or one
     if world.main:
         print("".join(f"refppo: note: {note}\n" for note in notes), end="", file=sys.stderr)
     if "--print-verl" in argv:
         print(verl_command(config, command))
+        return 0
+    if "--print-verl-yaml" in argv:
+        print(verl_yaml(config, command), end="")
         return 0
     check_world(config, world)
     check_installed(config.trainer.logger)

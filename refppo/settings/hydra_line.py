@@ -4,8 +4,10 @@ user's YAML and launch line run here with the same meaning.
 - ``--config-path=DIR --config-name=NAME`` (or ``-cp`` / ``-cn``, or the value as the next
   argument) reads ``DIR/NAME.yaml``; its settings come first and the command line's after them,
   as Hydra composes. Its ``defaults`` list may name verl's own ``ppo_trainer`` (or
-  ``ppo_megatron_trainer``, whose algorithm defaults are the same) and ``_self_``. verl's own
-  configuration, ``--config-path=config`` with one of those names, adds nothing.
+  ``ppo_megatron_trainer``, whose algorithm defaults are the same) and ``_self_``, and its
+  ``hydra`` section may put verl's configurations on the search path (as ``refppo ppo
+  --print-verl-yaml`` writes it). verl's own configuration, ``--config-path=config`` with one of
+  those names, adds nothing.
 - ``key=value`` sets a key; ``++key=value`` sets or adds it; ``+key=value`` adds a key verl's
   configuration lacks, and a key it has is refused, as Hydra refuses it; ``~key`` would remove one
   of verl's keys, which refppo does not implement.
@@ -22,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from refppo.settings.config import Config, declarations
-from refppo.settings.verl_map import REFPPO_ONLY
+from refppo.settings.verl_map import REFPPO_ONLY, VERL_CONFIG_PACKAGE
 from refppo.settings.verl_names import ADDED, MISSING, UNREAD_BY_VERL, full_path, refppo_key
 
 VERL_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")  # verl's own, in verl/trainer/config
@@ -86,6 +88,12 @@ def config_file_settings(path: str, name: str) -> tuple[list[str], list[str]]:
     except (OmegaConfBaseException, yaml.YAMLError, OSError, ValueError) as error:
         reason = str(error).splitlines()[0]
         raise ValueError(f"{file}: not a configuration file refppo can read ({reason})") from None
+    hydra = config.pop("hydra", None)
+    if hydra is not None and OmegaConf.to_container(hydra) != {"searchpath": [VERL_CONFIG_PACKAGE]}:
+        raise ValueError(
+            f"{file}: its hydra section may only add verl's configurations to the search path "
+            f"(searchpath: [{VERL_CONFIG_PACKAGE}]); refppo does not implement Hydra's other settings"
+        )
     defaults = config.pop("defaults", [])
     for entry in defaults:
         if entry not in (*VERL_CONFIGS, "_self_"):

@@ -5,11 +5,14 @@ tables, so they cannot drift from the config."""
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
 from refppo.settings.conditions import CRITIC_FROM_ACTOR, critic_setting
 from refppo.settings.config import Config, declarations, get_value
 from refppo.settings.validate import format_value, ignored_settings, read_settings
 from refppo.settings.verl_names import ADDED, VALUES, verl_key
 
+VERL_CONFIG_PACKAGE = "pkg://verl.trainer.config"  # where Hydra finds verl's own ppo_trainer
 TINY = "the shape of a fresh tiny model (model.path=null); verl always loads a checkpoint"
 OWN_COMMAND = "refppo's own {} command; verl trains {} with a separate program"
 # refppo settings with no verl counterpart, and why
@@ -150,19 +153,20 @@ def effective_value(config: Config, key: str):
     return value
 
 
-def verl_command(config: Config, command: str = "ppo") -> str:
-    """The verl 0.9 command line that runs ``config`` as ``refppo ppo`` does: every setting it
-    reads that verl shares, by verl's full key, then, as comments, the ones verl has no
-    counterpart for (a null setting that stands for another is given that one's value).
+def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list[str]]:
+    """The verl 0.9 settings that run ``config`` as ``refppo ppo`` does: every setting it reads that
+    verl shares, as ``key=value`` by verl's full key (a null that stands for another setting is
+    given that one's value; ``+`` before a key verl's configuration lacks), and a line for each
+    setting verl has no counterpart for.
 
     Raises:
         ValueError: for a command other than ppo (verl's SFT trainer is a separate program).
     """
     if command != "ppo":
-        raise ValueError(f"--print-verl prints verl's main_ppo command: refppo {command} has none")
+        raise ValueError(f"verl's main_ppo runs refppo ppo's settings: refppo {command} has none")
     ignored = ignored_settings(config, command)
     read = [key for key in read_settings(command, config) if key not in ignored]
-    lines = ["python3 -m verl.trainer.main_ppo"]
+    lines = []
     alone = []
     for key in read:
         value = effective_value(config, key)
@@ -171,10 +175,10 @@ def verl_command(config: Config, command: str = "ppo") -> str:
         if key == "actor.clip_ratio" and "actor.clip_ratio_low" in read:
             continue  # both bounds are given
         if key == "trainer.resume":  # verl's resume_mode, whose default is auto
-            lines.append(f"    trainer.resume_mode={'auto' if value else 'disable'}")
+            lines.append(f"trainer.resume_mode={'auto' if value else 'disable'}")
             continue
         if key in REFPPO_ONLY or (key.endswith("model.path") and value is None):
-            alone.append(f"#   {key}={format_value(value)}: {REFPPO_ONLY.get(key, TINY)}")
+            alone.append(f"{key}={format_value(value)}: {REFPPO_ONLY.get(key, TINY)}")
             continue
         if key == "trainer.total_epochs" and value is None:
             value = 10**6  # refppo counts steps; verl's run would end after its default 30 epochs
@@ -182,6 +186,30 @@ def verl_command(config: Config, command: str = "ppo") -> str:
             text = f"[{','.join(map(str, value))}]" if isinstance(value, tuple) else format_value(value)
             text = {v: k[1] for k, v in VALUES.items() if k[0] == key}.get(text, text)  # verl's name of the value
             plus = "+" if verl_key(key) in ADDED else ""  # a key verl's config file lacks
-            lines.append(f"    {plus}{verl_key(key)}={text}")
-    head = " \\\n".join(lines)
-    return head + ("\n# refppo settings verl has no counterpart for:\n" + "\n".join(alone) if alone else "")
+            lines.append(f"{plus}{verl_key(key)}={text}")
+    return lines, alone
+
+
+def verl_command(config: Config, command: str = "ppo") -> str:
+    """The verl 0.9 command line that runs ``config`` as ``refppo ppo`` does (:func:`verl_settings`),
+    then, as comments, the settings verl has no counterpart for."""
+    lines, alone = verl_settings(config, command)
+    head = " \\\n".join(["python3 -m verl.trainer.main_ppo", *(f"    {line}" for line in lines)])
+    comments = "".join(f"\n#   {line}" for line in alone)
+    return head + ("\n# refppo settings verl has no counterpart for:" + comments if alone else "")
+
+
+def verl_yaml(config: Config, command: str = "ppo") -> str:
+    """A YAML configuration verl 0.9's ``main_ppo`` loads (``--config-path=DIR --config-name=NAME``)
+    and runs as ``refppo ppo`` runs ``config``: verl's ``ppo_trainer`` (found through Hydra's search
+    path in the installed verl), then :func:`verl_settings`; the settings verl has no counterpart
+    for follow as comments."""
+    lines, alone = verl_settings(config, command)
+    settings = OmegaConf.from_dotlist([line.lstrip("+") for line in lines])
+    head = f"hydra:\n  searchpath:\n  - {VERL_CONFIG_PACKAGE}\ndefaults:\n- ppo_trainer\n- _self_\n"
+    comments = "".join(f"\n#   {line}" for line in alone)
+    return (
+        head
+        + OmegaConf.to_yaml(settings)
+        + ("# refppo settings verl has no counterpart for:" + comments if alone else "")
+    )
