@@ -45,3 +45,17 @@ def test_a_changed_data_file_runs_again(tmp_path):
     assert run_cache.cached_run("sft", args, tmp_path / "cache") == first
     data.write_text(data.read_text().replace('"2"', '"3"'))
     assert run_cache.cached_run("sft", args, tmp_path / "cache") != first
+
+
+def test_the_source_digest_reads_the_whole_package(monkeypatch):
+    """A change anywhere in refppo (the trainer, the settings, a formula) makes a cached run stale,
+    not only a change beside the cache in refppo/runs/."""
+    import refppo
+
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or real(self))
+    run_cache._source_digest()
+    package = Path(refppo.__file__).parent
+    parts = {path.relative_to(package).parts[0] for path in read}
+    assert {"advantages.py", "training", "settings", "rollout", "runs"} <= parts, parts

@@ -1,4 +1,4 @@
-"""Memory of a PPO run (appendix A, note 004.14): arithmetic for any model size, and a meter.
+"""Memory of a PPO run (appendix A2, note 004.14): arithmetic for any model size, and a meter.
 
 The arithmetic counts bytes per parameter for what a network holds between steps (weights,
 gradients, optimiser state) and bytes per token for what a training forward pass keeps for the

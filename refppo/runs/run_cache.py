@@ -15,8 +15,9 @@ from refppo.settings.validate import validate
 
 
 def _source_digest() -> str:
-    """A hash of refppo's own source files: a cached run is stale once the package changes."""
-    root = Path(__file__).parent
+    """A hash of refppo's own source files, every module of the package: a cached run is stale once
+    the package changes."""
+    root = Path(__file__).parents[1]  # refppo/, not this module's refppo/runs/
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
