@@ -286,9 +286,49 @@ def test_a_chapter_reads_in_one_sitting(path):
     assert code_lines <= MAX_VISIBLE_CODE_LINES, f"{path.name}: {code_lines} visible code lines"
 
 
+def open_solutions(nb_cells: list[dict]) -> list[int]:
+    """The worked solutions (a Solution admonition's markdown, a folded code cell) of the
+    exercises section that JupyterLab would show open: those without ``jupyter.source_hidden``."""
+    out = []
+    started = False
+    for i, cell in enumerate(nb_cells):
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and re.search(r"^## Exercises", source, re.M):
+            started = True
+        solution = (cell["cell_type"] == "markdown" and re.search(r"^```\{admonition\} Solution", source, re.M)) or (
+            cell["cell_type"] == "code" and "hide-cell" in cell.get("metadata", {}).get("tags", [])
+        )
+        if started and solution and not cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
+            out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_worked_solutions_start_collapsed_in_jupyterlab(path):
+    """The HTML folds each solution; JupyterLab and Notebook 7 collapse a cell whose metadata has
+    ``jupyter.source_hidden``, so a notebook reader meets every solution closed too."""
+    assert open_solutions(cells(path)) == []
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapters_link_the_notation_page(path):
     assert "<notation>" in path.read_text()
+
+
+def test_the_collapse_rule_catches_an_open_solution():
+    exercises = {"cell_type": "markdown", "source": ["## Exercises\n"]}
+    solution = {
+        "cell_type": "markdown",
+        "source": ["```{admonition} Solution\n:class: dropdown\nx\n```"],
+        "metadata": {},
+    }
+    code = {"cell_type": "code", "source": ["x = 1"], "metadata": {"tags": ["hide-cell"]}}
+    assert open_solutions([exercises, solution, code]) == [1, 2]
+    closed = {"jupyter": {"source_hidden": True}}
+    assert (
+        open_solutions([exercises, solution | {"metadata": closed}, code | {"metadata": closed | code["metadata"]}])
+        == []
+    )
 
 
 def test_the_rules_catch_what_they_name():
