@@ -229,6 +229,9 @@ ENGINE = (
     "actor_rollout_ref.actor.engine.", "critic.megatron.",
     "actor_rollout_ref.actor.optim.override_optimizer_config.",
     "actor_rollout_ref.actor.pad_to_length", "actor_rollout_ref.ref.pad_to_length",
+    # PrefixGrouper: a group's shared prompt attended once (verl/models/transformers/monkey_patch.py),
+    # the same log-probs to rounding, and the groups kept together in verl's GPU balancing
+    "actor_rollout_ref.actor.use_prefix_grouper",
     "actor_rollout_ref.actor.optim.override_optimizer_config", "critic.optim.override_optimizer_config",
     "actor_rollout_ref.model.tiled_mlp.", "critic.model.tiled_mlp.", "actor_rollout_ref.model.fused_kernel_options.",
     "critic.model.fused_kernel_options.", "critic.model.use_fused_kernels", "actor_rollout_ref.actor.use_fused_kernels",
@@ -254,7 +257,6 @@ MISSING = {
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode's REINFORCE loss"),
     "actor_rollout_ref.rollout.do_sample": ("true", "greedy rollouts"),
     "actor_rollout_ref.rollout.over_sample_rate": ("0", "over-sampling with early stopping"),
-    "actor_rollout_ref.actor.use_prefix_grouper": ("false", "prefix-shared forward passes"),
     "actor_rollout_ref.actor.calculate_sum_pi_squared": ("false", "the sum of squared probabilities"),
     "data.train_max_samples": ("-1", "a cap on the training records"),
     "data.val_max_samples": ("-1", "a cap on the evaluation records"),
