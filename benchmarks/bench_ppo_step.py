@@ -199,7 +199,7 @@ RM_MICRO = "reward_model.micro_batch_size_per_gpu"
 
 def benchmark_config(overrides: list[str]) -> Config:
     """The validated config of ``overrides``. The reward model is passed to the trainer as a
-    model, not by ``reward_model.enable`` and a path, so :func:`refppo.settings.config.validate` would
+    model, not by ``reward_model.enable`` and a path, so :func:`refppo.settings.validate.validate` would
     refuse its micro-batch size as unread; the trainer reads it for any reward model it is given,
     so it is set after validation."""
     rm_micro = [o for o in overrides if o.startswith(RM_MICRO + "=")]

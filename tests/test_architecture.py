@@ -57,3 +57,39 @@ def test_the_top_holds_the_teaching_core_and_the_layer_folders():
     assert folders == set(LAYERS) - {"core"} and len(folders) <= 10
     for folder in folders:
         assert ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())), f"{folder} says its job"
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether a dotted ``refppo`` name is a module, or an attribute reached from its longest module prefix."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_no_stale_module_names_remain():
+    """Every ``refppo.<module>[.<name>]`` the docs, the book, the code, the tests and the
+    benchmarks name exists (CHANGELOG.md keeps the names of its day)."""
+    import re
+
+    root = Path(__file__).parents[1]
+    files = [root / name for name in ("README.md", "ARCHITECTURE.md", "pyproject.toml", "benchmarks/README.md")]
+    for pattern in ("book/*.ipynb", "book/*.md", "refppo/**/*.py", "tests/*.py", "benchmarks/*.py"):
+        files += sorted(root.glob(pattern))
+    stale = set()
+    for file in files:
+        for match in re.finditer(r"\brefppo(?:\.[A-Za-z_][A-Za-z0-9_]*)+", file.read_text()):
+            name = match.group(0)
+            if "__main__" not in name and not _resolves(name):
+                stale.add(f"{file.relative_to(root)}: {name}")
+    assert not stale, sorted(stale)
