@@ -10,7 +10,10 @@
   solution's functions, nor the function its statement checks against ("against `name`"), nor
   repeats a run of its solution's code (as tokens, with every variable renamed);
 - every chapter (a notebook named ch* or app*) reads in one sitting: at most 4,000 words of prose and
-  450 visible code lines (issue 65; the definitions are in ``chapter_size``'s docstring).
+  450 visible code lines (issue 65; the definitions are in ``chapter_size``'s docstring);
+- every sentence of the book that says what verl does names its source in verl 0.9, a file and a
+  function or class it defines, checked against ``tests/data/verl_0_9_0_symbols.json`` (issue 65;
+  ``verl_claims`` says what counts as such a sentence and as its source).
 """
 
 import ast
@@ -37,6 +40,63 @@ MAX_CHAPTER_WORDS = 4000
 MAX_VISIBLE_CODE_LINES = 450
 HIDDEN_CODE_TAGS = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
 CODE_FENCE = re.compile(r"^(`{3,}|~{3,})(.*)$")
+# verl 0.9.0's files and the functions and classes each defines (Class.method too), recorded from a verl
+# checkout by tests/data/record_verl_symbols.py: the book's verl citations are checked against it.
+VERL_SYMBOLS = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_symbols.json").read_text())
+# A source footnote's definition is a reference and nothing else: the verl file, then the names it defines.
+VERL_PATH = r"`verl/[\w/]+\.py`"
+SOURCE_FOOTNOTE = re.compile(
+    rf"^\[\^([\w-]+)\]: verl 0\.9: {VERL_PATH}(?:, `[\w.]+`)+(?:; {VERL_PATH}(?:, `[\w.]+`)+)*\.$", re.M
+)
+# Sentences that name verl without saying what it does (the book's sources, a reader's task, the
+# appendix's own behaviour): (file, a piece of the sentence). Each must still match a sentence.
+NOT_VERL_CLAIMS = [
+    ("appA_debugging.ipynb", "say what each of verl's step metrics measures"),  # a learning goal
+    ("ch04_gae.ipynb", "including verl's rule for masked positions"),  # a learning goal
+    ("ch05_rlhf_loop.ipynb", "map verl's seven stages and its configuration keys"),  # a learning goal
+    ("ch05_rlhf_loop.ipynb", "takes verl 0.9's keys as they"),  # refppo's reading of verl's keys
+    ("ch05_rlhf_loop.ipynb", "a setting of verl's cluster is taken with a warning"),  # refppo's behaviour
+    ("ch05_rlhf_loop.ipynb", "A whole verl command line starts from verl's defaults"),  # refppo's behaviour
+    ("ch05b_reading_a_run.ipynb", "whether verl's initialisation does better, is exercise 2"),  # a pointer
+    ("ch07_ppo_vs_grpo.ipynb", "A name of verl's that refppo lacks is refused"),  # refppo's behaviour
+    ("intro.md", "frameworks such as verl"),  # the book's scope
+    ("intro.md", "a walk through verl's PPO source"),  # the notes the book follows
+    ("intro.md", "verl's stages and keys"),  # the table of chapters
+    ("appB_verl_keys.ipynb", "carries over to verl 0.9 formula for formula"),  # the chapters cite each formula
+    ("appB_verl_keys.ipynb", "that verl also has takes verl's name"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "**verl's engine.**"),  # a list item's title
+    ("appB_verl_keys.ipynb", "only says how verl places, shards, serves"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "A verl setting that would change the numbers"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "**verl's defaults for a verl line.**"),  # a list item's title
+    ("appB_verl_keys.ipynb", "spells some setting as only verl does"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "prints the verl command line of a"),  # refppo's behaviour (twice)
+    ("appB_verl_keys.ipynb", "against verl 0.9.0's own generated trainer configuration"),  # tests' recorded keys
+    ("appB_verl_keys.ipynb", "(its `docs/start/quickstart.rst`)"),  # sourced to verl's docs file
+    ("appB_verl_keys.ipynb", "left as verl's"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "concern verl's engine and cluster"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "from a verl command line it is dropped"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "and verl's GRPO example, on a tiny model"),  # the tests' runs
+    ("appB_verl_keys.ipynb", "the settings verl shares with the same default"),  # the tables, from refppo's code
+    ("appB_verl_keys.ipynb", "In verl's column"),  # the tables' notation
+    ("appB_verl_keys.ipynb", "as verl's interpolations (`${...}`) do"),  # verl's YAML, in the recorded trainer keys
+    ("appB_verl_keys.ipynb", "a few choices verl makes elsewhere"),  # the tables, from refppo's code
+    ("appB_verl_keys.ipynb", "which a verl command line takes from verl"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "unless given the value that turns it off (verl's default)"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "renamed to verl's name"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "key families of verl's engine"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "What verl has no counterpart for"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "ships shell scripts under `examples/`"),  # the recorded examples
+    ("appB_verl_keys.ipynb", "reads a verl line, and run a step"),  # the tests
+    ("appB_verl_keys.ipynb", "noted as a setting of verl's engine"),  # refppo's behaviour
+    ("appB_verl_keys.ipynb", "settled where `refppo` read a verl setting"),  # the list's items cite
+    ("appB_verl_keys.ipynb", "`+key` refuses a key verl's configuration has"),  # Hydra's grammar
+    ("appB_verl_keys.ipynb", "(what a verl line changes)"),  # an exercise
+    ("appB_verl_keys.ipynb", "append one setting in verl's spelling"),  # an exercise
+    ("appB_verl_keys.ipynb", "A line with a setting of verl's engine in it"),  # a hint
+    ("appB_verl_keys.ipynb", "makes it a verl command line"),  # refppo's rule
+    ("appB_verl_keys.ipynb", "a researcher pasting a verl command line"),  # refppo's rule
+    ("appB_verl_keys.ipynb", "To run a verl line on the book's tiny models"),  # refppo's rule
+]
 
 
 def cells(path: Path) -> list[dict]:
@@ -75,14 +135,17 @@ def chapter_size(nb_cells: list[dict]) -> tuple[int, int]:
     """(prose words, visible code lines) of a chapter.
 
     Prose words: ``words`` of the markdown cells' ``prose``, i.e. markdown outside fenced code
-    blocks, HTML comments not counted. Visible code lines: the lines of the code cells that are not
-    tagged hide-input, hide-cell, remove-input or remove-cell, blank lines included (folded code is
-    one click away; the reader does not read it in passing)."""
+    blocks, HTML comments not counted, nor the definitions of verl source footnotes
+    (``SOURCE_FOOTNOTE``: a file path and function names, e.g. ``[^gae]: verl 0.9:
+    `verl/trainer/ppo/core_algos.py`, `compute_gae_advantage_return`.``), which a reader looks up
+    rather than reads; their markers in the text (``[^gae]``) add no word. Visible code lines: the
+    lines of the code cells that are not tagged hide-input, hide-cell, remove-input or remove-cell,
+    blank lines included (folded code is one click away; the reader does not read it in passing)."""
     prose_words = code_lines = 0
     for cell in nb_cells:
         source = "".join(cell["source"])
         if cell["cell_type"] == "markdown":
-            prose_words += words(prose(source))
+            prose_words += words(SOURCE_FOOTNOTE.sub("", prose(source)))
         elif cell["cell_type"] == "code" and not HIDDEN_CODE_TAGS & set(cell.get("metadata", {}).get("tags", [])):
             code_lines += len(source.splitlines())
     return prose_words, code_lines
@@ -388,3 +451,115 @@ def test_the_spoiler_rule_catches_what_it_names(tmp_path):
         "exercise 4: def sq( is shown before the exercises"
     ]
     assert spoiled_exercises([cell("markdown", cut), *exercise], tmp_path) == []
+
+
+BOOK_PAGES = NOTEBOOKS + sorted(BOOK.glob("*.md"))
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?]\*\*)\s+|(?<=[.!?]\))\s+")
+
+
+def page_markdown(path: Path) -> list[str]:
+    """A page's markdown: its markdown cells, or the whole file."""
+    if path.suffix == ".md":
+        return [path.read_text()]
+    return ["".join(c["source"]) for c in cells(path) if c["cell_type"] == "markdown"]
+
+
+def sentences(markdown: str) -> list[str]:
+    """The sentences of markdown's prose, each on one line: headings, labels (``(name)=``), directive
+    fences and options, HTML comments and footnote definitions left out; a list item and a table row
+    start a new sentence."""
+    text = re.sub(r"<!--.*?-->", "", prose(markdown), flags=re.S)
+    out, paragraph = [], []
+
+    def close():
+        joined = " ".join(paragraph).strip()
+        out.extend(s for s in SENTENCE_END.split(joined) if s.strip())
+        paragraph.clear()
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or re.match(r"(#|\(.*\)=$|\[\^[\w-]+\]:|:[\w-]+:|`{3,}|~{3,})", stripped):
+            close()
+        elif re.match(r"([-*] |\d+\. |\|)", stripped):
+            close()
+            paragraph.append(stripped)
+        else:
+            paragraph.append(stripped)
+    close()
+    return out
+
+
+def names_verl(sentence: str) -> bool:
+    """Whether a sentence names verl in its words: not only inside code (a ``verl/...`` path, a key) or
+    a role's target."""
+    words_only = re.sub(r"\{\w+\}`[^`]*`|`[^`]*`|\]\([^)]*\)", "", sentence)
+    return re.search(r"\bverl\b", words_only) is not None
+
+
+def cites_verl(text: str) -> bool:
+    """Whether text names a file of verl 0.9 and, in code, a function or class that file defines."""
+    code = set(re.findall(r"`([\w.]+)`", text))
+    return any(code & set(VERL_SYMBOLS.get(path, [])) for path in re.findall(r"`(verl/[\w/]+\.py)`", text))
+
+
+def source_problems(markdown: str) -> list[str]:
+    """What is wrong with the verl source footnotes of a page: each definition's file must be one of
+    verl 0.9's and each name one that file defines."""
+    problems = []
+    for m in SOURCE_FOOTNOTE.finditer(markdown):
+        for part in m.group(0).split(": ", 1)[1].split("; "):
+            path, *names = re.findall(r"`([^`]+)`", part)
+            if path not in VERL_SYMBOLS:
+                problems.append(f"[^{m.group(1)}]: {path} is not a file of verl 0.9")
+            known = VERL_SYMBOLS.get(path, [])
+            problems += [f"[^{m.group(1)}]: {path} defines no {n}" for n in names if n not in known]
+    return problems
+
+
+def verl_claims(pages: dict[str, list[str]], exempt: list[tuple[str, str]]) -> list[str]:
+    """The sentences that say what verl does and name no source for it, and what else is wrong with the
+    sources, one line each. A sentence says what verl does when it names verl in its words (see
+    ``names_verl``) and is not exempt (``NOT_VERL_CLAIMS``). It names its source inline (a ``verl/...py``
+    path and, in code, a function or class the file defines: ``cites_verl``) or by a footnote
+    (``[^name]``) whose definition on the same page is a ``SOURCE_FOOTNOTE``."""
+    problems, used = [], set()
+    for page, markdowns in pages.items():
+        whole = "\n".join(markdowns)
+        sources = {m.group(1): m.group(0) for m in SOURCE_FOOTNOTE.finditer(whole)}
+        problems += [f"{page}: {p}" for p in source_problems(whole)]
+        for markdown in markdowns:
+            for sentence in sentences(markdown):
+                if not names_verl(sentence):
+                    continue
+                hits = [piece for name, piece in exempt if name == page and piece in sentence]
+                if hits:
+                    used.update((page, piece) for piece in hits)
+                    continue
+                notes = re.findall(r"\[\^([\w-]+)\]", sentence)
+                if not (cites_verl(sentence) or any(n in sources for n in notes)):
+                    problems.append(f"{page}: no verl source: {sentence[:160]}")
+    problems += [f"{page}: exempts no sentence: {piece}" for page, piece in exempt if (page, piece) not in used]
+    return problems
+
+
+def test_every_verl_claim_names_its_source_in_verl():
+    pages = {path.name: page_markdown(path) for path in BOOK_PAGES}
+    assert verl_claims(pages, NOT_VERL_CLAIMS) == []
+
+
+def test_the_verl_claim_rule_catches_what_it_names():
+    source = "[^vanilla]: verl 0.9: `verl/trainer/ppo/core_algos.py`, `compute_policy_loss_vanilla`.\n"
+    cited = "verl clamps the log-ratio to 20[^vanilla].\n\n" + source
+    assert verl_claims({"p": [cited]}, []) == []
+    inline = "verl whitens with `masked_whiten` (`verl/utils/torch_functional.py`).\n"
+    assert verl_claims({"p": [inline]}, []) == []
+    bare = "## verl's loop\n\nThe clip is 0.2 in `verl/x.py`. verl clamps the log-ratio to 20.\n"
+    assert verl_claims({"p": [bare]}, []) == ["p: no verl source: verl clamps the log-ratio to 20."]
+    assert verl_claims({"p": [bare]}, [("p", "clamps the log")]) == []
+    assert verl_claims({"p": ["No claim."]}, [("p", "clamps")]) == ["p: exempts no sentence: clamps"]
+    wrong = cited.replace("compute_policy_loss_vanilla", "compute_policy_loss_plain")
+    assert verl_claims({"p": [wrong]}, []) == [
+        "p: [^vanilla]: verl/trainer/ppo/core_algos.py defines no compute_policy_loss_plain"
+    ]
+    assert sentences("- a verl b. c\n- d\n\n| x | verl |\n") == ["- a verl b.", "c", "- d", "| x | verl |"]
+    assert chapter_size([{"cell_type": "markdown", "source": cited}]) == (6, 0)  # the definition is not read
