@@ -1,4 +1,4 @@
-"""Masked statistics, and log-probs and entropies from logits.
+"""Masked statistics, and log-probs, entropies and sums of squared probabilities from logits.
 
 Shapes: ``values`` and ``mask`` are any matching shape, usually ``(batch, response_len)``;
 ``logits`` is ``(..., vocab)`` and ``labels`` is ``logits.shape[:-1]``.
@@ -166,3 +166,28 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     entropy = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
     check_values(finite={"logits": entropy})  # NaN or +inf logits, or -inf ones (0 x -inf)
     return entropy
+
+
+@checks_once
+def calculate_sum_pi_squared_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Sum over the vocabulary of the squared probabilities, sum_v pi_v^2 with pi =
+    softmax(logits / temperature): what verl 0.9's actor returns as ``sum_pi_squared`` with
+    ``actor.calculate_sum_pi_squared=True``, for the optimal token baseline
+    (:mod:`refppo.algorithms.verl_advantages`). As verl's
+    ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits``, on logits its engine has
+    already divided by the temperature: exp(logsumexp(2 z) - 2 logsumexp(z)), z = logits /
+    temperature, which is sum softmax(z)^2 without forming the probabilities. In float32, or the
+    logits' dtype if wider.
+
+    Args:
+        logits: (..., vocab) tensor, any float dtype.
+        temperature: the sampling temperature; logits are divided by it.
+
+    Returns:
+        (...) sums, each in [1 / vocab, 1].
+    """
+    check_logits(logits, None, temperature)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    sum_pi_squared = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
+    check_values(finite={"logits": sum_pi_squared})  # NaN or +inf logits
+    return sum_pi_squared

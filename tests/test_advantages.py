@@ -201,7 +201,7 @@ def test_registry():
     assert get_adv_estimator_fn("rloo").__name__ == "rloo_advantage"  # verl's call, then the formula
     with pytest.raises(
         ValueError,
-        match="valid: gae, gpg, grpo, grpo_passk, grpo_vectorized, opo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline, remax, rloo",
+        match="valid: gae, gdpo, gpg, grpo, grpo_passk, grpo_vectorized, opo, optimal_token_baseline, "
+        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo",
     ):
         get_adv_estimator_fn("ppo")

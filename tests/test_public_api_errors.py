@@ -115,6 +115,7 @@ GOOD = {
         logits=torch.randn(B, T, 7), labels=torch.randint(0, 7, (B, T)), temperature=0.7
     ),
     "entropy_from_logits": lambda: dict(logits=torch.randn(B, T, 7), temperature=0.7),
+    "calculate_sum_pi_squared_from_logits": lambda: dict(logits=torch.randn(B, T, 7), temperature=0.7),
     "check_masked": lambda: dict(values=_x(), mask=_mask(), axis=-1, min_valid=2),
     "check_logits": lambda: dict(logits=torch.randn(B, T, 7), labels=torch.randint(0, 7, (B, T)), temperature=0.7),
     "check_labels": lambda: dict(labels=torch.randint(0, 7, (B, T)), shape=torch.Size((B, T)), vocab=7),
@@ -184,6 +185,32 @@ GOOD = {
         )
     },
     "grpo_passk_advantage": lambda: _verl_estimator() | {"index": ["a", "a", "a"]},
+    "compute_gdpo_outcome_advantage": lambda: dict(
+        token_level_rewards=_x(1),
+        response_mask=_mask(),
+        index=["a", "a", "b"],
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=True,
+        config=ConfigView(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=[1.0, 0.5]),
+        non_tensor_batch={"fmt": [1.0, 0.0, 1.0], "acc": torch.randn(B, dtype=torch.float64)},
+        batch=None,
+    ),
+    **{
+        name: lambda: dict(
+            token_level_rewards=_x(1),
+            response_mask=_mask(),
+            index=["a", "a", "b"],
+            old_log_probs=_lp(2),
+            sum_pi_squared=torch.rand(B, T, dtype=torch.float64),
+            rollout_is_weights=_x(4).abs(),
+            handle_zero_tail=True,
+            epsilon=1e-8,
+        )
+        for name in (
+            "compute_optimal_token_baseline_advantage",
+            "compute_multi_turn_optimal_token_baseline_advantage",
+        )
+    },
     "remax_advantage": lambda: _verl_estimator(reward_baselines=torch.randn(B)),
     "policy_loss_config": lambda: dict(actor=Config().actor, loss_scale_factor=8.0),
     **{
