@@ -563,3 +563,100 @@ def test_the_verl_claim_rule_catches_what_it_names():
     ]
     assert sentences("- a verl b. c\n- d\n\n| x | verl |\n") == ["- a verl b.", "c", "- d", "| x | verl |"]
     assert chapter_size([{"cell_type": "markdown", "source": cited}]) == (6, 0)  # the definition is not read
+
+
+# Issue 65: every item of the notes' checklist (the seeds' CHECKLIST.md, which a clone does not
+# have: its IDs are copied here) is asserted, with the ID cited in a code cell that asserts, in each
+# chapter named below.
+CHECKLIST_ASSERTED = {
+    "000.1": ["ch05_rlhf_loop"],
+    "000.2": ["ch06_dual_kl"],
+    "000.3": ["ch05_rlhf_loop"],
+    "001.1": ["ch02_ppo_penalty"],
+    "001.2": ["ch02_ppo_penalty"],
+    "001.3": ["ch02_ppo_penalty"],
+    "001.4": ["ch02_ppo_penalty"],
+    "002.1": ["ch05_rlhf_loop"],
+    "002.2": ["ch05_rlhf_loop"],
+    "002.3": ["ch05_rlhf_loop"],
+    "002.4": ["ch05_rlhf_loop"],
+    "002.5": ["ch05_rlhf_loop"],
+    "002.6": ["ch04_gae", "ch05_rlhf_loop"],
+    "002.7": ["ch05_rlhf_loop"],
+    "003.1": ["ch01_rl_basics"],
+    "003.2": ["ch01_rl_basics"],
+    "003.3": ["ch01_rl_basics"],
+    "003.4": ["ch05_rlhf_loop"],
+    "003.5": ["ch05_rlhf_loop"],
+    "003.6": ["ch05_rlhf_loop"],
+    "003.7": ["ch05_rlhf_loop"],
+    "003.8": ["ch03_ppo_clip", "ch04_gae", "ch05_rlhf_loop"],
+    "003.9": ["ch05_rlhf_loop"],
+    "003.10": ["ch02_ppo_penalty", "ch03_ppo_clip", "ch04_gae", "ch05_rlhf_loop", "ch06_dual_kl", "ch07_ppo_vs_grpo"],
+    "003.11": ["ch02_ppo_penalty"],
+    "003.12": ["ch01_rl_basics", "ch04_gae"],
+    "003.13": ["ch02_ppo_penalty"],
+    "003.14": ["ch02_ppo_penalty"],
+    "003.15": ["ch03_ppo_clip"],
+    "003.16": ["ch04_gae"],
+    "004.1": ["ch03_ppo_clip"],
+    "004.2": ["ch07_ppo_vs_grpo"],
+    "004.3": ["ch04_gae"],
+    "004.4": ["ch04_gae"],
+    "004.5": ["ch03_ppo_clip"],
+    "004.6": ["ch05_rlhf_loop"],
+    "004.7": ["ch06b_policy_modes"],
+    "004.8": ["ch05_rlhf_loop"],
+    "004.9": ["ch05_rlhf_loop"],
+    "004.10": ["ch06_dual_kl"],
+    "004.11": ["ch06b_policy_modes"],
+    "004.12": ["ch06_dual_kl"],
+    "004.13": ["ch03_ppo_clip", "appA_debugging"],
+    "004.14": ["ch04_gae", "appA_debugging", "appA2_debugging_tools"],
+    "X1": ["ch05_rlhf_loop"],
+    "X2": ["ch05_rlhf_loop"],
+    "X3": ["ch04_gae"],
+    "X4": ["ch03_ppo_clip"],
+    "X5": ["ch06_dual_kl"],
+    "X6": ["ch06_dual_kl"],
+    "X7": ["ch05_rlhf_loop"],
+    "X8": ["ch02_ppo_penalty"],
+    "X9": ["ch05_rlhf_loop"],
+}
+CHECKLIST_IDS = (
+    "000.1 000.2 000.3 001.1 001.2 001.3 001.4 002.1 002.2 002.3 002.4 002.5 002.6 002.7 "
+    "003.1 003.2 003.3 003.4 003.5 003.6 003.7 003.8 003.9 003.10 003.11 003.12 003.13 003.14 "
+    "003.15 003.16 004.1 004.2 004.3 004.4 004.5 004.6 004.7 004.8 004.9 004.10 004.11 004.12 "
+    "004.13 004.14 X1 X2 X3 X4 X5 X6 X7 X8 X9"
+).split()
+
+
+def cites(source: str, item: str) -> bool:
+    """Whether source names checklist item ``item`` (003.1 is not 003.10, X1 not X10)."""
+    return re.search(rf"(?<![\d.]){re.escape(item)}(?!\d)", source) is not None
+
+
+def asserting_cells(nb_cells: list[dict]) -> list[str]:
+    """The sources of the code cells that assert something."""
+    sources = ["".join(c["source"]) for c in nb_cells if c["cell_type"] == "code"]
+    return [s for s in sources if re.search(r"\bassert", s)]
+
+
+def test_every_checklist_item_is_asserted_where_the_map_says():
+    assert len(CHECKLIST_IDS) == 53 and sorted(CHECKLIST_ASSERTED) == sorted(CHECKLIST_IDS)
+    unasserted = [
+        (item, stem)
+        for item, stems in CHECKLIST_ASSERTED.items()
+        for stem in stems
+        if not any(cites(s, item) for s in asserting_cells(cells(BOOK / f"{stem}.ipynb")))
+    ]
+    assert unasserted == []
+
+
+def test_the_checklist_rule_catches_what_it_names():
+    assert cites("# CHECKLIST 003.10 X1", "003.10") and not cites("# CHECKLIST 003.10", "003.1")
+    assert not cites("X10", "X1") and not cites("1003.1", "003.1") and cites("(003.1)", "003.1")
+    code = {"cell_type": "code", "source": ["# 003.1\n", "x = 1\n"]}
+    checked = {"cell_type": "code", "source": ["# 003.1\n", "assert x == 1\n"]}
+    prose_only = {"cell_type": "markdown", "source": ["003.1, assert"]}
+    assert asserting_cells([code, prose_only]) == [] and asserting_cells([checked]) == ["# 003.1\nassert x == 1\n"]
