@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from refppo.guards.checks import check_flag, check_ndim, check_values, checks_once
+from refppo.guards.checks import check_flag, check_ndim, check_same_shape, check_values, checks_once
 from refppo.guards.inputs import check_log_probs, check_logits, check_masked
 
 
@@ -80,6 +80,26 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
         n = mask.sum()
         variance = variance * n / (n - 1)
     return variance
+
+
+@checks_once
+def masked_max_min(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest and smallest of ``values`` where ``mask`` is 1.
+
+    Args:
+        values: (*shape) floating tensor, finite where ``mask`` is 1.
+        mask: (*shape) tensor of 0/1 with at least one 1.
+
+    Returns:
+        (max, min) scalar tensors.
+
+    Raises:
+        ValueError: shapes differ, no valid position, or a NaN or inf at one.
+    """
+    check_same_shape(values=values, mask=mask)
+    check_values(masks={"mask": mask}, finite={"values": values}, min_valid=("mask", mask, 1), where=mask)
+    valid = mask.bool()
+    return values.masked_fill(~valid, -torch.inf).max(), values.masked_fill(~valid, torch.inf).min()
 
 
 @checks_once

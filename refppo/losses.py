@@ -24,26 +24,33 @@ LOSS_AGG_MODES = (
 
 
 def _agg_loss(
-    loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float | None = None
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    loss_scale_factor: float | None = None,
+    batch_num_tokens: torch.Tensor | int | None = None,
+    global_batch_size: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     if loss_scale_factor is not None:
         check_number("loss_scale_factor", loss_scale_factor, "(0, inf)")
-    # Callers guarantee at least one valid token, so the divisions below are exact.
+    # Callers guarantee at least one valid token (or pass the counts), so the divisions are exact.
     if loss_agg_mode == "token-mean":
-        return masked_sum(loss_mat, loss_mask) / loss_mask.sum()
+        tokens = loss_mask.sum() if batch_num_tokens is None else batch_num_tokens
+        return masked_sum(loss_mat, loss_mask) / tokens
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask)
     seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
     tokens = loss_mask.sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
-        seq_losses = seq_losses / tokens.clamp(min=1)
+        seq_losses = seq_losses / (tokens + 1e-8)  # verl's 1e-8: an empty row gives 0
     elif loss_agg_mode == "seq-mean-token-sum-norm":
         # Dr. GRPO: a constant divisor (the configured longest response), not the token count.
         seq_losses = seq_losses / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    # Rows with no valid token do not count as sequences.
+    # Rows with no valid token do not count as sequences (unless the caller counted them).
     has_tokens = (tokens > 0).to(seq_losses.dtype)
-    return masked_sum(seq_losses, has_tokens) / has_tokens.sum()
+    rows = has_tokens.sum() if global_batch_size is None else global_batch_size
+    return masked_sum(seq_losses, has_tokens) / rows
 
 
 @checks_once
@@ -52,6 +59,8 @@ def agg_loss(
     loss_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    batch_num_tokens: torch.Tensor | int | None = None,
+    global_batch_size: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Aggregate a per-token loss into a scalar (verl 0.9's ``agg_loss``).
 
@@ -69,12 +78,20 @@ def agg_loss(
         loss_scale_factor: seq-mean-token-sum-norm's divisor, > 0; None uses T. Keep it constant
             over a run (the trainer passes ``data.max_response_length``): T changes from batch to
             batch when generation stops early.
+        batch_num_tokens: what token-mean divides by; None: ``loss_mask``'s valid tokens. verl's
+            engine passes the batch's count, so that a token a loss masks out itself (bypass
+            mode's rejection sampling) still counts.
+        global_batch_size: what the sequence means divide by; None: ``loss_mask``'s rows with a
+            valid token.
 
     Returns:
         Scalar tensor.
     """
     check_loss_inputs(loss_mask, loss_mat=loss_mat)
-    return _agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor)
+    for name, count in (("batch_num_tokens", batch_num_tokens), ("global_batch_size", global_batch_size)):
+        if count is not None and not isinstance(count, torch.Tensor):
+            check_number(name, count, "(0, inf)")
+    return _agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor, batch_num_tokens, global_batch_size)
 
 
 def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
@@ -171,6 +188,8 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
+    batch_num_tokens: torch.Tensor | int | None = None,
+    global_batch_size: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss with asymmetric and dual clipping (verl 0.9's vanilla policy loss).
 
@@ -191,7 +210,7 @@ def compute_policy_loss(
         loss_agg_mode: see agg_loss.
         rollout_is_weights: optional (batch, T) per-token importance weights >= 0 (rollout
             correction), multiplied into the per-token loss; no gradient.
-        loss_scale_factor: see agg_loss.
+        loss_scale_factor, batch_num_tokens, global_batch_size: see agg_loss.
 
     Returns:
         pg_loss: scalar.
@@ -227,7 +246,8 @@ def compute_policy_loss(
 
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()
-    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor)
+    counts = {"batch_num_tokens": batch_num_tokens, "global_batch_size": global_batch_size}
+    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor, **counts)
     metrics = {"actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": pg_clipfrac_lower}
     return pg_loss, {k: v.detach() for k, v in metrics.items()}
 

@@ -192,16 +192,21 @@ def test_bad_values():
             "algorithm.rollout_correction.rollout_is=token or sequence",
         ),
         (
-            ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
-            r"rollout_is=token with bypass_mode=true: verl 0.9's bypass loss \(compute_policy_loss_bypass_mode\)",
+            ["algorithm.rollout_correction.loss_type=reinforce"],
+            "algorithm.rollout_correction.loss_type=reinforce is ignored: .* read only with "
+            "algorithm.rollout_correction.bypass_mode=true",
+        ),
+        (
+            ["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss=gspo"],
+            r"actor.policy_loss=gspo is ignored: .*bypass_mode=false \(bypass mode's own loss replaces it",
         ),
         (
             [
                 "algorithm.rollout_correction.bypass_mode=true",
-                "algorithm.rollout_correction.rollout_rs=token_k1",
-                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+                "algorithm.rollout_correction.loss_type=reinforce",
+                "actor.clip_ratio_c=5.0",
             ],
-            r"rollout_rs=token_k1 with bypass_mode=true: verl 0.9's bypass loss \(compute_policy_loss_bypass_mode\)",
+            r"actor.clip_ratio_c=5.0 is ignored: .*loss_type=ppo_clip \(bypass mode's REINFORCE has no clip\)",
         ),
         (
             ["algorithm.rollout_correction.rollout_is=tokens"],

@@ -12,13 +12,14 @@ from refppo.settings.validate import choices_of, ignored_settings
 NOT_THE_TRAINERS = ("data.", "model.", "reward_model.model.")
 BASES = {
     "ppo": ["actor.ppo_epochs=2"],
-    "grpo, penalty, bypass, ppo_paper": [
+    "penalty": ["actor.policy_loss=penalty"],
+    "grpo, bypass reinforce, ppo_paper": [
         "algorithm.adv_estimator=grpo",
         "rollout.n=2",
         "data.train_batch_size=8",
         "actor.ppo_mini_batch_size=4",
-        "actor.policy_loss=penalty",
         "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
         "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=ppo_paper",
         "actor.optim.lr_warmup_steps=1",

@@ -26,7 +26,7 @@ def ref_agg(loss, mask, mode, scale=None):
         return sum(tokens)
     per_seq = {
         "seq-mean-token-sum": lambda r: sum(r),
-        "seq-mean-token-mean": lambda r: sum(r) / len(r),
+        "seq-mean-token-mean": lambda r: sum(r) / (len(r) + 1e-8),  # verl's 1e-8
         "seq-mean-token-sum-norm": lambda r: sum(r) / (len(loss[0]) if scale is None else scale),
     }[mode]
     seqs = [per_seq(r) for r in rows if r]

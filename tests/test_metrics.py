@@ -5,7 +5,9 @@ import torch
 from _inputs import batches, make_mask
 from hypothesis import given
 
-from refppo.training.metrics import masked_corr, masked_max_min, offpolicy_metrics, rollout_is_metrics
+from refppo.algorithms.rollout_corr_metrics import offpolicy_metrics, rollout_is_metrics
+from refppo.functional import masked_max_min
+from refppo.training.metrics import masked_corr
 
 
 @given(batches())

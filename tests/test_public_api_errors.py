@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from refppo import advantages, functional, kl, losses, rewards
-from refppo.algorithms import divergence_losses, overlong, rollout_correction, verl_advantages, verl_losses
+from refppo.algorithms import bypass, divergence_losses, overlong, rollout_correction, verl_advantages, verl_losses
 from refppo.guards import inputs
 from refppo.guards.checks import NonFiniteError
 from refppo.registry import ConfigView
@@ -48,6 +48,7 @@ MODULES = (
     rewards,
     overlong,
     rollout_correction,
+    bypass,
     inputs,
 )
 B, T = 3, 4
@@ -84,6 +85,16 @@ def _loss_config():
     return losses.policy_loss_config(apply_overrides(Config(), ["actor.dro_beta=0.5"]).actor, loss_scale_factor=8.0)
 
 
+# bypass mode's settings: REINFORCE with token weights and a token-k1 rejection
+_BYPASS = {
+    "loss_type": "reinforce",
+    "rollout_is": "token",
+    "rollout_is_threshold": 2.0,
+    "rollout_rs": "token_k1",
+    "rollout_rs_threshold": "0.5_2.0",
+}
+
+
 def _verl_pair(loss_agg_mode="token-mean"):
     """verl's policy-loss keywords."""
     return _pair(loss_agg_mode=loss_agg_mode, config=_loss_config(), rollout_is_weights=_x(4).abs())
@@ -110,6 +121,7 @@ GOOD = {
     "masked_mean": lambda: dict(values=_x(), mask=_mask(), axis=-1),
     "masked_var": lambda: dict(values=_x(), mask=_mask(), unbiased=True),
     "masked_whiten": lambda: dict(values=_x(), mask=_mask(), shift_mean=True),
+    "masked_max_min": lambda: dict(values=_x(), mask=_mask()),
     "last_valid_index": lambda: dict(mask=_mask()),
     "logprobs_from_logits": lambda: dict(
         logits=torch.randn(B, T, 7), labels=torch.randint(0, 7, (B, T)), temperature=0.7
@@ -328,6 +340,23 @@ GOOD = {
         scores=_x()[:, 0], response_mask=_mask(), max_response_length=4, buffer_len=2, penalty_factor=1.0, log=True
     ),
     "rs_thresholds": lambda: dict(rollout_rs="token_k1", threshold=2.0),
+    "compute_policy_loss_reinforce": lambda: dict(
+        rollout_log_prob=_lp(1),
+        log_prob=_lp(2),
+        advantages=_x(3),
+        response_mask=_mask(),
+        loss_agg_mode="token-mean",
+        rollout_is_weights=_x(4).abs(),
+        loss_scale_factor=8.0,
+        batch_num_tokens=9,
+        global_batch_size=3,
+    ),
+    "compute_policy_loss_bypass_mode": lambda: _pair(
+        loss_agg_mode="token-mean",
+        config=bypass.apply_bypass_mode(_loss_config(), _BYPASS),
+        rollout_is_weights=None,
+    ),
+    "apply_bypass_mode": lambda: dict(config=_loss_config(), rollout_correction=_BYPASS),
     "is_bounds": lambda: dict(threshold=2.0),
     "compute_rollout_rs_mask": lambda: dict(
         old_log_prob=_lp(2), rollout_log_prob=_lp(3), response_mask=_mask(), rollout_rs="token_k1", threshold=2.0
@@ -369,6 +398,10 @@ VALID = {
         for f in ("agg_loss", "compute_policy_loss", "compute_ppo_penalty_loss", "compute_value_loss")
     ),
     ("compute_policy_loss", "clip_ratio_c", "None"),
+    *(
+        ("compute_policy_loss_reinforce", arg, "None")
+        for arg in ("loss_scale_factor", "batch_num_tokens", "global_batch_size", "rollout_is_weights")
+    ),
     *(
         (f, arg, "None")
         for f in (

@@ -21,6 +21,7 @@ from refppo.advantages import (
     needs_critic,
     register_adv_est,
 )
+from refppo.algorithms.bypass import apply_bypass_mode
 from refppo.algorithms.verl_advantages import (
     compute_gpg_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
@@ -34,7 +35,7 @@ from refppo.losses import POLICY_LOSSES, agg_loss, get_policy_loss_fn, policy_lo
 from refppo.registry import ConfigView, Registry
 from refppo.rollout.forward import response_log_probs
 from refppo.rollout.models import init_value_head, load_causal_lm, load_value_model, value_head
-from refppo.settings.config import Config, apply_overrides
+from refppo.settings.config import Config, RolloutCorrectionConfig, apply_overrides
 from refppo.settings.validate import validate
 from refppo.training.trainer import PPOTrainer
 
@@ -166,6 +167,14 @@ CHANGED_SETTINGS = {
 }
 
 
+def _loss_config(name, actor):
+    """The config the trainer gives the loss ``name``: bypass mode's with its rollout correction."""
+    config = policy_loss_config(actor, loss_scale_factor=None)
+    if name == "bypass_mode":
+        config = apply_bypass_mode(config, RolloutCorrectionConfig(bypass_mode=True))
+    return config
+
+
 def test_every_registered_loss_takes_verls_keywords_and_reads_only_declared_settings():
     """Each built-in loss, called with verl's seven keywords, gives the numbers of its formula
     called with the settings by name; a setting it does not declare changes nothing."""
@@ -186,7 +195,7 @@ def test_every_registered_loss_takes_verls_keywords_and_reads_only_declared_sett
             advantages=adv,
             response_mask=mask,
             loss_agg_mode="seq-mean-token-mean",
-            config=policy_loss_config(base, loss_scale_factor=None),
+            config=_loss_config(name, base),
             rollout_is_weights=None,
         )
         for setting, value in CHANGED_SETTINGS.items():
@@ -199,7 +208,7 @@ def test_every_registered_loss_takes_verls_keywords_and_reads_only_declared_sett
                 advantages=adv,
                 response_mask=mask,
                 loss_agg_mode="seq-mean-token-mean",
-                config=policy_loss_config(changed, loss_scale_factor=None),
+                config=_loss_config(name, changed),
                 rollout_is_weights=None,
             )
             moved = not torch.equal(other[0], plain[0])

@@ -153,6 +153,8 @@ def expected_actor_loss(trainer, batch):
     elif a.policy_loss == "penalty":
         kl_old = old - logp  # k1 of KL(pi_old || pi_theta) on tokens from pi_old
         pg = -adv * ratio + a.penalty_kl_coef * kl_old
+    elif trainer.config.algorithm.rollout_correction.bypass_mode:
+        pg = expected_bypass_token_losses(trainer, logp, old, adv, mask)
     else:
         low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
         high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
@@ -175,6 +177,32 @@ def expected_actor_loss(trainer, batch):
         k2 = 0.5 * (logp - batch["ref_log_prob"]) ** 2
         loss = loss + a.kl_loss_coef * plain_agg(k2, mask, a.loss_agg_mode, scale)
     return loss
+
+
+def expected_bypass_token_losses(trainer, logp, rollout, adv, mask):
+    """verl 0.9's bypass loss per token (``compute_policy_loss_bypass_mode``), for token-mean
+    aggregated over every valid token: the weights and a token-k1 rejection against pi_theta as a
+    constant; a rejected token's loss is 0, and it still counts in the mean (verl's engine)."""
+    a = trainer.config.actor
+    rc = trainer.config.algorithm.rollout_correction
+    assert a.loss_agg_mode == "token-mean" and rc.rollout_rs in (None, "token_k1")
+    log_ratio = (logp.detach() - rollout) * mask
+    kept = mask
+    if rc.rollout_rs == "token_k1":
+        lower, upper = (float(b) for b in rc.rollout_rs_threshold.split("_"))
+        kept = mask * ((-log_ratio >= math.log(lower)) & (-log_ratio <= math.log(upper))).float()
+    if rc.loss_type == "reinforce":
+        weights = torch.ones_like(mask)
+        if rc.rollout_is is not None:
+            assert rc.rollout_is == "token"
+            weights = (log_ratio.exp() * mask).clamp(max=rc.rollout_is_threshold)
+        return -adv * logp * weights * kept
+    ratio = torch.exp(logp - rollout)
+    low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+    high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
+    return pg * kept
 
 
 def expected_critic_loss(trainer, batch):
@@ -340,6 +368,13 @@ def test_token_budget_micro_batches_give_the_plain_gradient(mode):
         assert torch.allclose(batch[key], whole, atol=1e-5), key
 
 
+# a token-k1 rejection narrow enough to reject some of perturb_rollout_log_probs' tokens
+BYPASS_RS = [
+    "algorithm.rollout_correction.rollout_rs=token_k1",
+    "algorithm.rollout_correction.rollout_rs_threshold=0.8_1.25",
+]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -349,6 +384,16 @@ def test_token_budget_micro_batches_give_the_plain_gradient(mode):
         ["actor.use_kl_loss=true", "actor.kl_loss_type=k2", "actor.kl_loss_coef=0.5"],
         ["actor.policy_loss=penalty", "actor.penalty_kl_coef=2.0", "actor.ppo_epochs=2"],
         ["algorithm.rollout_correction.bypass_mode=true", "actor.ppo_epochs=2"],
+        [*MODES["bypass"], *BYPASS_RS, "actor.ppo_epochs=2"],  # PPO's clip on the kept tokens
+        [*MODES["bypass"], "algorithm.rollout_correction.loss_type=reinforce", "actor.ppo_epochs=2"],
+        [
+            *MODES["bypass"],
+            "algorithm.rollout_correction.loss_type=reinforce",
+            "algorithm.rollout_correction.rollout_is=token",
+            *BYPASS_RS,
+            "actor.ppo_epochs=2",
+            "actor.ppo_micro_batch_size_per_gpu=2",  # the counts of each micro-batch, weighed
+        ],
         [*MODES["token_is"], "algorithm.rollout_correction.rollout_is_threshold=1.2", "actor.ppo_epochs=2"],
         [*MODES["sequence_is"], "algorithm.rollout_correction.rollout_is_batch_normalize=true", "actor.ppo_epochs=2"],
         ["algorithm.adv_estimator=grpo", "rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"],
@@ -373,6 +418,8 @@ def test_every_update_has_the_plain_gradient(overrides):
         assert max(s["actor/pg_clipfrac"] for s in stats) > 0
     if "actor.clip_ratio_c=1.01" in overrides:
         assert max(s["actor/pg_clipfrac_lower"] for s in stats) > 0
+    if BYPASS_RS[0] in overrides:  # some tokens were rejected, not none or all
+        assert 0 < max(s["rollout_corr/rollout_rs_masked_fraction"] for s in stats) < 1
 
 
 def test_terms_change_the_gradient_by_exactly_their_own_term():

@@ -149,7 +149,6 @@ def test_engine_settings_are_noted_and_change_nothing():
     "override, message",
     [
         ("data.gen_batch_size=512", "refppo does not implement a generation batch other than"),
-        ("algorithm.rollout_correction.loss_type=reinforce", "bypass mode's REINFORCE loss"),
         ("algorithm.use_pf_ppo=true", "preference-feedback PPO"),
         ("trainer.resume_mode=resume_path", "refppo takes auto or disable"),
         ("actor.policy_mode=bypass", "actor.policy_mode is now algorithm.rollout_correction.bypass_mode=true"),
@@ -530,26 +529,25 @@ def test_the_rollouts_lengths_are_datas_lengths():
         command_settings("ppo", ["rollout.response_length=12", "data.max_response_length=8"])
 
 
-def test_a_verl_line_with_bypass_rejection_is_refused_not_dropped():
+def test_a_verl_line_with_bypass_rejection_keeps_its_rejection_and_weights():
     """verl 0.9's ``compute_policy_loss_bypass_mode`` (``verl/trainer/ppo/core_algos.py``) applies
-    ``rollout_rs``'s rejection mask inside the loss, as in
-    ``examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh``: dropping it as unread would
-    lose the rejection the line asks for."""
+    ``rollout_rs``'s rejection mask and ``rollout_is``'s weights inside the loss, as in
+    ``examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh``: the line keeps both (dropping
+    them as unread would lose what the line exists to show), with REINFORCE when it asks."""
     line = [
         "algorithm.rollout_correction.bypass_mode=true",
         "algorithm.rollout_correction.rollout_rs=token_k1",
         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
-    ]
-    with pytest.raises(ValueError, match="rollout_rs=token_k1 with bypass_mode=true: verl 0.9's bypass loss"):
-        command_settings("ppo", line)
-    with_weights = [
-        *line,
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_is_threshold=2.0",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
     ]
-    with pytest.raises(ValueError, match="rollout_is=token with bypass_mode=true: verl 0.9's bypass loss"):
-        command_settings("ppo", with_weights)
+    config, notes = command_settings("ppo", line)
+    rc = config.algorithm.rollout_correction
+    assert (rc.bypass_mode, rc.rollout_rs, rc.rollout_rs_threshold) == (True, "token_k1", "0.5_2.0")
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.loss_type) == ("token", 2.0, "reinforce")
+    assert not any("rollout_correction" in note for note in notes)
 
 
 def test_token_budgets_take_the_sequence_parallel_size():

@@ -31,9 +31,36 @@ WARMUP = when(  # a warm-up of no steps is accepted without a critic too: verl's
     lambda s: HAS_CRITIC(s) is None or critic_only_steps(s.config.trainer.critic_warmup) == 0,
     lambda s: HAS_CRITIC(s),
 )
-LOSS_TAKES = when(  # a setting of the policy loss: read by the losses that declare it
-    lambda s: POLICY_LOSSES.reads(s.config.actor.policy_loss, s.name),
-    lambda s: f"actor.policy_loss={' or '.join(POLICY_LOSSES.readers(s.name))}",
+
+
+def policy_loss_in_use(config) -> str:
+    """The policy loss a step calls: ``actor.policy_loss``, or in bypass mode verl's own
+    ``bypass_mode``, which replaces it (``apply_bypass_mode`` in
+    ``verl/trainer/ppo/rollout_corr_helper.py``)."""
+    return "bypass_mode" if config.algorithm.rollout_correction.bypass_mode else config.actor.policy_loss
+
+
+def _loss_reads(s) -> bool:
+    rc = s.config.algorithm.rollout_correction
+    if rc.bypass_mode and rc.loss_type == "reinforce":  # REINFORCE has no clip
+        return False
+    return POLICY_LOSSES.reads(policy_loss_in_use(s.config), s.name)
+
+
+def _loss_readers(s) -> str:
+    readers = POLICY_LOSSES.readers(s.name)
+    bypass = s.config.algorithm.rollout_correction.bypass_mode
+    if bypass and "bypass_mode" in readers:
+        return "algorithm.rollout_correction.loss_type=ppo_clip (bypass mode's REINFORCE has no clip)"
+    losses = " or ".join(name for name in readers if name != "bypass_mode")
+    return f"actor.policy_loss={losses}" + (" and algorithm.rollout_correction.bypass_mode=false" if bypass else "")
+
+
+LOSS_TAKES = when(_loss_reads, _loss_readers)  # a setting of the policy loss: read by the losses that declare it
+BYPASSING = when(lambda s: s.owner.bypass_mode, "algorithm.rollout_correction.bypass_mode=true")
+NOT_BYPASSING = when(
+    lambda s: not s.config.algorithm.rollout_correction.bypass_mode,
+    "algorithm.rollout_correction.bypass_mode=false (bypass mode's own loss replaces it, as in verl)",
 )
 ESTIMATOR_TAKES = when(  # a setting of the advantage estimator: read by those that declare it
     lambda s: ADV_ESTIMATORS.reads(s.config.algorithm.adv_estimator, s.name),

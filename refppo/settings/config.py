@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from refppo.advantages import ADV_ESTIMATORS
+from refppo.algorithms.bypass import BYPASS_LOSS_TYPES
 from refppo.guards.checks import TEMPERATURES
 from refppo.kl import KL_CONTROLLER_TYPES, kl_penalty_types
 from refppo.losses import LOSS_AGG_MODES, POLICY_LOSSES
@@ -25,6 +26,7 @@ from refppo.settings.conditions import (
     ACTOR_NORM,
     ACTOR_ROWS,
     ARITHMETIC,
+    BYPASSING,
     COSINE,
     CRITIC_NORM,
     CRITIC_ROWS,
@@ -46,6 +48,7 @@ from refppo.settings.conditions import (
     LORA,
     LOSS_TAKES,
     NO_ENTROPY_BONUS,
+    NOT_BYPASSING,
     OLD_LOG_PROB_PASS,
     ONE_CLIP_BOUND_UNSET,
     OVERLONG,
@@ -92,6 +95,14 @@ COMMANDS = ("sft", "rm", "ppo")
 # Numeric ranges in interval notation ("inf)" excludes infinity; NaN is in no range).
 POSITIVE = "(0, inf)"
 COUNT = "[1, inf)"
+
+
+def chosen_policy_losses() -> tuple[str, ...]:
+    """The names ``actor.policy_loss`` takes: every registered policy loss but bypass mode's own,
+    which ``algorithm.rollout_correction.bypass_mode=true`` chooses."""
+    return tuple(name for name in POLICY_LOSSES.names() if name != "bypass_mode")
+
+
 NONNEG = "[0, inf)"
 # Adam's step, up to lr / (1 - beta1) with beta1 < 1 in float64 (a factor below 1e16), must stay a float32
 RATE = "[0, 1e10]"
@@ -207,7 +218,7 @@ class ActorConfig:
     loss_scale_factor: float | None = setting(None, POSITIVE, needs=ACTOR_NORM)
     # clip (verl's vanilla) | penalty (PPO-penalty: a KL-to-old penalty) | verl's gspo, sapo, cispo,
     # geo_mean, gpg, clip_cov, kl_cov, dro, dppo_tv, dppo_kl
-    policy_loss: str = setting("clip", POLICY_LOSSES.names)
+    policy_loss: str = setting("clip", chosen_policy_losses, needs=NOT_BYPASSING)
     penalty_kl_coef: float = setting(0.1, NONNEG, needs=LOSS_TAKES)
     penalty_kl_type: str = setting("kl", kl_penalty_types, needs=LOSS_TAKES)
     tau_pos: float = setting(1.0, POSITIVE, needs=LOSS_TAKES)  # SAPO's gate temperatures (A > 0, A <= 0)
@@ -366,9 +377,8 @@ class RolloutCorrectionConfig:
     pi_old / pi_rollout, of the token or of the whole sequence
     (:func:`refppo.algorithms.rollout_correction.compute_rollout_is_weights`)."""
 
-    # null: no weights. Refused in bypass mode with rollout_rs below: verl's bypass loss computes
-    # both against the policy being updated (the weights for its metrics with loss_type=ppo_clip, in
-    # the loss with reinforce; the rejection in both), which refppo does not implement.
+    # null: no weights. In bypass mode the loss computes them and the rejection below against the
+    # policy being updated, in each micro-batch (refppo.algorithms.bypass), as verl 0.9 does.
     rollout_is: str | None = setting(None, ROLLOUT_IS_LEVELS)
     # the weights' truncation C, or "lower_upper": IcePop's bounds outside which a weight is 0
     rollout_is_threshold: float | str = setting(2.0, "(0, inf]", needs=IS_WEIGHTS)
@@ -378,6 +388,9 @@ class RolloutCorrectionConfig:
     rollout_rs: str | None = setting(None)
     rollout_rs_threshold: str | None = setting(None, needs=REJECTING)
     bypass_mode: bool = setting(False)
+    # bypass mode's loss: PPO's clip (the ratio to pi_rollout, weights only logged) or REINFORCE
+    # with the weights in the loss (refppo.algorithms.bypass.compute_policy_loss_reinforce)
+    loss_type: str = setting("ppo_clip", BYPASS_LOSS_TYPES, needs=BYPASSING)
 
 
 @dataclass

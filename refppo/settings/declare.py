@@ -122,8 +122,13 @@ def leaf_keys(config, prefix: str = "") -> list[str]:
 
 def _parse(text: str, hint, key: str):
     """Convert override text to the field's type (bool, int, float, str, their Optional, tuples; a
-    union such as ``float | str`` takes the first type the text reads as)."""
+    union such as ``float | str`` takes the first type the text reads as). A text in quotes is
+    Hydra's quoted string: without them, and a string where the field takes one."""
     args = typing.get_args(hint)
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+        if hint is str or str in args:
+            return text
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if text.lower() in ("null", "none") and type(None) in args:
             return None

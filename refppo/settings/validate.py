@@ -216,15 +216,6 @@ def _check_dapo_and_validation(config: Config) -> None:
             is_bounds(alg.rollout_correction.rollout_is_threshold)
         except ValueError as error:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_{error}") from None
-    rc = alg.rollout_correction
-    for key in ("rollout_is", "rollout_rs"):
-        _require(
-            not (rc.bypass_mode and getattr(rc, key) is not None),
-            f"algorithm.rollout_correction.{key}={getattr(rc, key)} with bypass_mode=true: verl 0.9's bypass loss "
-            "(compute_policy_loss_bypass_mode) computes the weights and the rejection inside the loss, against the "
-            "policy being updated, which refppo does not implement; without bypass_mode they are computed against "
-            "pi_old before the advantages",
-        )
     if alg.rollout_correction.rollout_rs is not None:
         try:
             rs_thresholds(alg.rollout_correction.rollout_rs, alg.rollout_correction.rollout_rs_threshold)

@@ -254,7 +254,6 @@ ROLLOUT_LENGTHS = {
 # note) and what is missing.
 MISSING = {
     "algorithm.use_pf_ppo": ("false", "preference-feedback PPO's reweighting"),
-    "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode's REINFORCE loss"),
     "actor_rollout_ref.rollout.do_sample": ("true", "greedy rollouts"),
     "actor_rollout_ref.rollout.over_sample_rate": ("0", "over-sampling with early stopping"),
     "actor_rollout_ref.actor.calculate_sum_pi_squared": ("false", "the sum of squared probabilities"),
@@ -317,8 +316,8 @@ MISSING_CHOICES = {
     "rollouts",
     ("algorithm.adv_estimator", "rloo_vectorized"): "verl's vectorised RLOO, which gives a group of one 0 "
     "(algorithm.adv_estimator=rloo keeps its score, as verl's rloo)",
-    ("actor.policy_loss", "bypass_mode"): "the loss verl's trainer picks itself in bypass mode: set "
-    "algorithm.rollout_correction.bypass_mode=true (with PPO's clip loss)",
+    ("actor.policy_loss", "bypass_mode"): "choosing bypass mode's loss by name, which verl's trainer picks "
+    "itself: set algorithm.rollout_correction.bypass_mode=true (and its loss_type, ppo_clip or reinforce)",
 }
 
 

@@ -62,6 +62,7 @@ import torch
 
 from refppo import accel, distributed
 from refppo.advantages import compute_advantage, get_adv_estimator_fn, needs_critic
+from refppo.algorithms.bypass import apply_bypass_mode
 from refppo.algorithms.overlong import overlong_shaped
 from refppo.algorithms.rollout_correction import compute_rollout_is_weights, compute_rollout_rs_mask
 from refppo.distributed import SINGLE, World
@@ -74,7 +75,7 @@ from refppo.rollout.forward import compute_scores, response_values
 from refppo.rollout.generation import generate, row_uniforms
 from refppo.rollout.models import make_reference
 from refppo.rollout.prompts import decode_texts, tokenize_records
-from refppo.settings.conditions import critic_only_steps
+from refppo.settings.conditions import critic_only_steps, policy_loss_in_use
 from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
 from refppo.training.data import EpochSampler
@@ -425,8 +426,11 @@ class PPOTrainer:
         """Step 5, rollout correction (:mod:`refppo.algorithms.rollout_correction`):
         ``rollout_is_weights`` for the loss, then rejection sampling, which zeroes the rejected
         tokens of ``response_mask`` before the advantages (in that order, as verl); returns the
-        rejection's metrics."""
+        rejection's metrics. Bypass mode has none here: its loss computes both, against the policy
+        being updated (:mod:`refppo.algorithms.bypass`)."""
         rc = self.config.algorithm.rollout_correction
+        if rc.bypass_mode:
+            return {}
         mask = batch["response_mask"]
         old = batch["old_log_probs"]
         if rc.rollout_is is not None:
@@ -438,7 +442,7 @@ class PPOTrainer:
                 level=rc.rollout_is,
                 batch_normalize=rc.rollout_is_batch_normalize,
             )
-        if rc.rollout_rs is None or rc.bypass_mode:
+        if rc.rollout_rs is None:
             return {}
         batch["response_mask"], rejected = compute_rollout_rs_mask(
             old, batch["rollout_log_probs"], mask, rc.rollout_rs, rc.rollout_rs_threshold
@@ -489,17 +493,21 @@ class PPOTrainer:
         temperature = self.config.rollout.temperature
         log_prob, entropy = self.accel.actor.log_probs(self.actor, mb, temperature, with_entropy)
         scale = self._loss_scale_factor(a.loss_scale_factor)
-        policy_loss_fn = get_policy_loss_fn(a.policy_loss)
+        loss_name = policy_loss_in_use(self.config)
+        config = policy_loss_config(a, loss_scale_factor=scale)
+        if loss_name == "bypass_mode":
+            config = apply_bypass_mode(config, self.config.algorithm.rollout_correction)
+        policy_loss_fn = get_policy_loss_fn(loss_name)
         pg_loss, pg_metrics = policy_loss_fn(  # verl 0.9's call
             old_log_prob=mb["old_log_probs"],
             log_prob=log_prob,
             advantages=mb["advantages"],
             response_mask=mask,
             loss_agg_mode=a.loss_agg_mode,
-            config=policy_loss_config(a, loss_scale_factor=scale),
+            config=config,
             rollout_is_weights=mb.get("rollout_is_weights"),
         )
-        pg_mode = POLICY_LOSSES.aggregation(a.policy_loss, a.loss_agg_mode)  # GSPO, SAPO, GMPO: their own
+        pg_mode = POLICY_LOSSES.aggregation(loss_name, a.loss_agg_mode)  # GSPO, SAPO, GMPO: their own
         terms = {"actor/pg_loss": LossTerm(pg_loss, pg_mode)}
         stats = {}
         for name, value in pg_metrics.items():  # a loss written for verl returns floats
