@@ -19,6 +19,8 @@ ADV_ESTIMATORS = Registry("advantage estimator")
 # verl's names, called as verl 0.9's compute_advantage calls them (:func:`compute_advantage`).
 register_adv_est = ADV_ESTIMATORS.register
 get_adv_estimator_fn = ADV_ESTIMATORS.get
+# the estimators verl passes each token's sum of squared probabilities and the old log-probs
+TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def needs_critic(adv_estimator: str) -> bool:
@@ -32,6 +34,7 @@ def compute_advantage(
     adv_estimator: str,
     adv_estimator_fn: Callable,
     config,
+    non_tensor_batch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's advantages and returns, with the estimator called as verl 0.9's
     ``compute_advantage`` calls it.
@@ -39,16 +42,21 @@ def compute_advantage(
     GAE receives the critic's ``values``, ``gamma`` and ``lam``; GRPO the group labels ``index`` and
     ``norm_adv_by_std_in_grpo``; every other estimator ``token_level_rewards``, ``response_mask``,
     ``config`` (the algorithm's settings, a :class:`refppo.registry.ConfigView`) and ``index``, and
-    ``reward_baselines`` when the batch holds them (ReMax). An estimator written for verl's registry
-    therefore runs unchanged.
+    ``reward_baselines`` when the batch holds them (ReMax); the optimal token baselines also
+    ``sum_pi_squared``, ``old_log_probs`` and ``rollout_is_weights`` (None without), and GDPO
+    ``non_tensor_batch`` and ``batch``. An estimator written for verl's registry therefore runs
+    unchanged.
 
     Args:
         data: the batch: ``token_level_rewards`` and ``response_mask`` (batch, T), ``index``
-            (batch,), and ``values`` (batch, T) for GAE, ``reward_baselines`` (batch,) for ReMax.
+            (batch,), and ``values`` (batch, T) for GAE, ``reward_baselines`` (batch,) for ReMax,
+            ``sum_pi_squared`` and ``old_log_probs`` (batch, T) for the optimal token baselines.
         adv_estimator: the estimator's name (``algorithm.adv_estimator``).
         adv_estimator_fn: the function to call, ``get_adv_estimator_fn(adv_estimator)`` or a
             faster one that equals it.
         config: the algorithm's settings (:class:`refppo.settings.config.AlgorithmConfig`).
+        non_tensor_batch: verl's per-response values beside the tensors: the reward function's
+            components by name, (batch,) each, which GDPO reads.
 
     Returns:
         advantages, returns: both (batch, T).
@@ -77,6 +85,18 @@ def compute_advantage(
     }
     if "reward_baselines" in data:
         adv_kwargs["reward_baselines"] = data["reward_baselines"]
+    if adv_estimator in TOKEN_BASELINES:
+        if "sum_pi_squared" not in data:  # verl asserts it too
+            raise ValueError(
+                f"adv_estimator={adv_estimator} reads the batch's sum_pi_squared: set "
+                "actor.calculate_sum_pi_squared=true"
+            )
+        adv_kwargs["sum_pi_squared"] = data["sum_pi_squared"]
+        adv_kwargs["old_log_probs"] = data["old_log_probs"]
+        adv_kwargs["rollout_is_weights"] = data.get("rollout_is_weights")
+    if adv_estimator == "gdpo":
+        adv_kwargs["non_tensor_batch"] = {} if non_tensor_batch is None else non_tensor_batch
+        adv_kwargs["batch"] = data
     return adv_estimator_fn(**adv_kwargs)
 
 

@@ -434,6 +434,6 @@ def test_each_is_found_by_verls_name_and_compute_advantage_needs_its_batch_keys(
         with pytest.raises((TypeError, ValueError), match="sum_pi_squared"):
             compute_advantage(data, name, get_adv_estimator_fn(name), algorithm)
     # GDPO asked for its components without them in the batch is refused, not run on the score alone
-    with_keys = types.SimpleNamespace(**vars(algorithm), gdpo_reward_keys=["accuracy_reward"])
+    with_keys = types.SimpleNamespace(**(vars(algorithm) | {"gdpo_reward_keys": ["accuracy_reward"]}))
     with pytest.raises(ValueError, match="non_tensor_batch"):
         compute_advantage(data, "gdpo", get_adv_estimator_fn("gdpo"), with_keys)

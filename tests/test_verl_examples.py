@@ -115,6 +115,8 @@ def _for_a_cpu(settings: list[str], models: tuple[Path, Path], data: Path, out: 
             value = str(data / "train.parquet")
         elif key == "data.val_files":
             value = str(data / "test.parquet")
+        elif key.endswith("custom_reward_function.path"):
+            value = str(data / "reward.py")
         elif key == "actor_rollout_ref.rollout.n":
             value = str(min(int(value), 4))
         elif key in SMALL:
@@ -132,9 +134,20 @@ def _for_a_cpu(settings: list[str], models: tuple[Path, Path], data: Path, out: 
     ]
 
 
+# A stand-in for the reward files verl's lines name (verl/utils/reward_score/rlla.py for GDPO): a
+# dict result with the components GDPO's line normalises, as rlla's compute_score returns them.
+STAND_IN_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    accuracy = 3.0 if str(ground_truth) in solution_str else -3.0
+    form = float(len(solution_str) % 2)
+    return {"score": accuracy + form, "format_reward": form, "accuracy_reward": accuracy}
+"""
+
+
 @pytest.mark.parametrize("script", sorted(s for s, outcome in OUTCOMES.items() if outcome == "accepted"))
 def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model, tmp_path):  # noqa: F811
     _gsm8k_files(tmp_path, ("train", "test"), 16)
+    (tmp_path / "reward.py").write_text(STAND_IN_REWARD)
     settings = next(line["settings"] for line in EXAMPLES if line["script"] == script)
     out = tmp_path / "run"
     assert main(["ppo", *_for_a_cpu(settings, (chat_model, reward_model), tmp_path, out)]) == 0

@@ -634,7 +634,7 @@ seen = []
 def test_a_custom_reward_function_file_is_called_as_verls_reward_manager_calls_it(tmp_path):
     """verl 0.9's ``get_custom_reward_fn`` (``verl/trainer/ppo/reward.py``) loads ``name`` from
     ``path``; its naive reward manager calls it with data_source, solution_str, ground_truth and
-    extra_info, and takes a dict's "score"."""
+    extra_info, and takes a dict's "score", keeping its other values by name (reward_extra_info)."""
     from refppo.training.reward_fns import load_verl_reward_fn
 
     file = tmp_path / "my_reward.py"
@@ -643,7 +643,7 @@ def test_a_custom_reward_function_file_is_called_as_verls_reward_manager_calls_i
         {"data_source": "mine", "reward_model": {"ground_truth": "4"}, "extra_info": {"index": i}} for i in range(3)
     ]
     reward = load_verl_reward_fn(str(file), "compute_score")
-    assert reward(["p"] * 3, ["4", " 4 ", "5"], records) == [1.0, 1.0, 0.0]
+    assert reward(["p"] * 3, ["4", " 4 ", "5"], records) == {"score": [1.0, 1.0, 0.0], "acc": [1.0, 1.0, 1.0]}
     assert records[0]["extra_info"] == {"index": 0}, "a copy of extra_info is passed"
     assert load_verl_reward_fn(str(file), "plain")(["p"], ["x"], records[:1]) == [0.5]
     with pytest.raises(ValueError, match="no Python file there"):

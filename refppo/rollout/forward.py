@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from refppo.functional import entropy_from_logits, last_valid_index, logprobs_from_logits
+from refppo.functional import (
+    calculate_sum_pi_squared_from_logits,
+    entropy_from_logits,
+    last_valid_index,
+    logprobs_from_logits,
+)
 from refppo.guards.checks import checks_once
 from refppo.rollout.device import trainable_forward
 
@@ -92,6 +97,23 @@ def response_log_probs(
     if not calculate_entropy:
         return log_probs, None
     return log_probs, entropy_from_logits(logits, temperature).masked_fill(~mask, 0.0)
+
+
+def response_sum_pi_squared(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """One forward pass: sum_v pi_v^2 of each response token's next-token distribution at
+    ``temperature`` (verl 0.9's ``sum_pi_squared``, which the optimal token baseline reads).
+
+    Args:
+        model: a causal LM.
+        batch: needs ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``.
+        temperature: the rollout's temperature.
+
+    Returns:
+        (B, R) float32, 0 at padding.
+    """
+    mask = batch["response_mask"].to(model.device).bool()
+    logits = response_logits(model, batch)
+    return calculate_sum_pi_squared_from_logits(logits, temperature).float().masked_fill(~mask, 0.0)
 
 
 def response_values(critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -200,6 +222,14 @@ class ForwardPasses:
 
         parts = self.per_row(fn, batch, micro_batch_size)
         return tuple(parts) if calculate_entropy else parts[0]
+
+    @torch.no_grad()
+    def compute_sum_pi_squared(
+        self, model, batch: dict[str, torch.Tensor], temperature: float = 1.0, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        """The actor's sum_v pi_v^2 at each response token (:func:`response_sum_pi_squared`),
+        without gradients; (B, R) float32, 0 at padding."""
+        return self.per_row(lambda mb: [response_sum_pi_squared(model, mb, temperature)], batch, micro_batch_size)[0]
 
     @torch.no_grad()
     def compute_values(

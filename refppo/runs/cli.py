@@ -32,7 +32,7 @@ from refppo.guards.model_folder import check_lora_rank, check_model_folder, chec
 from refppo.rollout.device import resolve_device
 from refppo.rollout.prompts import tokenize_prompts, tokenize_records
 from refppo.runs.folder import RunFolder, check_free, check_resume, check_writable, summary
-from refppo.runs.loggers import check_installed
+from refppo.runs.loggers import check_installed, run_name
 from refppo.runs.sizes import (
     check_batch_fits,
     check_fits,
@@ -282,13 +282,13 @@ def probe_reward_fn(reward_fn, records: list[dict], tokenizer, data) -> None:
         tokenizer: the run's tokenizer.
         data: the run's ``data.*`` settings (how prompts are tokenized).
     """
-    from refppo.training.reward_fns import check_scores, describe
+    from refppo.training.reward_fns import describe, split_reward_result
 
     for size in sorted({1, min(3, len(records))}):
         probe = records[:size]
         ids, _ = tokenize_records(tokenizer, probe, data)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        check_scores(reward_fn(texts, [""] * size, probe), size, f"reward function {describe(reward_fn)}")
+        split_reward_result(reward_fn(texts, [""] * size, probe), size, f"reward function {describe(reward_fn)}")
 
 
 def run_ppo(config: Config, make_run, world: World, device: torch.device) -> None:
@@ -324,7 +324,11 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     if rm_cfg.reward_fn:
         reward_fn = load_reward_fn(rm_cfg.reward_fn)
     elif rm_cfg.custom_reward_function.path:
-        reward_fn = load_verl_reward_fn(rm_cfg.custom_reward_function.path, rm_cfg.custom_reward_function.name)
+        custom = rm_cfg.custom_reward_function
+        # verl's GDPO reward manager hands the function the run's name (verl's rlla.py reads it)
+        folder = Path(config.trainer.output_dir)
+        named = {"experiment_name": run_name(config, folder)} if rm_cfg.reward_manager == "gdpo" else None
+        reward_fn = load_verl_reward_fn(custom.path, custom.name, extra_info=named)
     if reward_fn is None and reward_model is None:
         require_rules(train + val)
     if reward_fn is not None:

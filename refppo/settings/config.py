@@ -237,6 +237,9 @@ class ActorConfig:
     entropy_coeff: float = setting(0.0, "(-inf, inf)")
     # The update also computes the entropy without a coefficient (actor/entropy_loss); verl's name.
     calculate_entropy: bool = setting(False, needs=NO_ENTROPY_BONUS)
+    # each response token's sum_v pi_v^2 from the old-log-prob pass, which the optimal token
+    # baselines read (verl's name)
+    calculate_sum_pi_squared: bool = setting(False, needs=OLD_LOG_PROB_PASS)
     grad_clip: float = setting(1.0, "(0, inf]")
     # The log-prob passes (old, reference, update) reduce their logits with kernels made by
     # torch.compile, one per block instead of several float32 passes (verl's name). null: on with
@@ -353,7 +356,8 @@ class RewardModelConfig:
     # every response runs to the limit, and the penalty would shift every score alike
     missing_eos_penalty: float = setting(0.0, NONNEG, needs=ENDS_AT_EOS)
     # verl's reward manager: dapo adds the overlong shaping to a rule's (or reward_fn's) score
-    reward_manager: str = setting("naive", ("naive", "dapo"), needs=RULE_SCORES)
+    # gdpo: naive's, whose dict results' other values GDPO reads (as every manager here keeps them)
+    reward_manager: str = setting("naive", ("naive", "dapo", "gdpo"), needs=RULE_SCORES)
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, needs=DAPO_MANAGER)
     max_resp_len: int | None = setting(None, COUNT, needs=(DAPO_MANAGER, OVERLONG))  # null: data.max_response_length
 
@@ -414,6 +418,10 @@ class AlgorithmConfig:
     lam: float = setting(1.0, "[0, 1]", needs=ESTIMATOR_TAKES)
     adv_estimator: str = setting("gae", ADV_ESTIMATORS.names)
     norm_adv_by_std_in_grpo: bool = setting(True, needs=ESTIMATOR_TAKES)
+    # GDPO: the reward function's components it normalises one by one (the keys of its dict
+    # results), and their weights in the sum (null: 1 each)
+    gdpo_reward_keys: tuple[str, ...] | None = setting(None, needs=ESTIMATOR_TAKES)
+    gdpo_reward_weights: tuple[float, ...] | None = setting(None, "(-inf, inf)", needs=ESTIMATOR_TAKES)
     use_kl_in_reward: bool = setting(False)
     kl_penalty: str = setting("kl", kl_penalty_types, needs=KL_IN_REWARD)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, needs=KL_IN_REWARD)

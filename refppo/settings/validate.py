@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from refppo.advantages import needs_critic
+from refppo.advantages import TOKEN_BASELINES, needs_critic
 from refppo.algorithms.rollout_correction import is_bounds, rs_thresholds
 from refppo.guards.checks import in_range
 from refppo.settings.conditions import critic_only_steps
@@ -235,12 +235,49 @@ def _check_policy_loss(a: ActorConfig) -> None:
     )
 
 
+def _check_estimator_inputs(config: Config) -> None:
+    """What verl 0.9's ``compute_advantage`` (``verl/trainer/ppo/ray_trainer.py``) asserts an
+    estimator finds in the batch: the optimal token baselines each token's sum of squared
+    probabilities, GDPO the reward components it names."""
+    alg = config.algorithm
+    a = config.actor
+    _require(
+        alg.adv_estimator not in TOKEN_BASELINES or a.calculate_sum_pi_squared,
+        f"algorithm.adv_estimator={alg.adv_estimator} reads each token's sum of squared probabilities: set "
+        "actor.calculate_sum_pi_squared=true (verl asserts it too)",
+    )
+    _require(
+        not (a.calculate_sum_pi_squared and config.model.use_fused_kernels),
+        "actor.calculate_sum_pi_squared=true with model.use_fused_kernels=true: the fused kernels never form the "
+        "logits it sums over (verl refuses it too)",
+    )
+    if alg.adv_estimator != "gdpo":
+        return
+    _require(
+        bool(alg.gdpo_reward_keys),
+        "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys, the components of the reward function's dict "
+        "results it normalises one by one (e.g. [accuracy_reward,format_reward])",
+    )
+    weights = alg.gdpo_reward_weights
+    _require(
+        weights is None or len(weights) == len(alg.gdpo_reward_keys),
+        f"algorithm.gdpo_reward_weights has {len(weights or ())} weights for {len(alg.gdpo_reward_keys)} "
+        "algorithm.gdpo_reward_keys: give one each",
+    )
+    _require(
+        not config.reward_model.enable,
+        "algorithm.adv_estimator=gdpo reads the components of a reward function's dict results; a reward model "
+        "gives one score: set reward_model.enable=false",
+    )
+
+
 def _check_combinations(config: Config) -> None:
     """Settings each valid alone that cannot work together."""
     _check_tiny_model(config.model)
     _check_task_size(config.data)
     _check_dapo_and_validation(config)
     _check_policy_loss(config.actor)
+    _check_estimator_inputs(config)
     d = config.data
     r = config.rollout
     alg = config.algorithm

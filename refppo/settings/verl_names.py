@@ -47,9 +47,11 @@ NAMES = {
     },
     "reward_model.reward_kwargs.max_resp_len": "reward_model.max_resp_len",
 }
-# verl keys its config file lacks, which its DAPO command lines add with "+", and their values
-# in verl's DAPO recipe config (the reward manager's keyword arguments)
+# verl keys its config file lacks, which its command lines add with "+", and their values when
+# absent (DAPO's recipe config, the reward manager's keyword arguments; GDPO's, read with .get)
 ADDED = {
+    "algorithm.gdpo_reward_keys": None,
+    "algorithm.gdpo_reward_weights": None,
     "reward.reward_kwargs.overlong_buffer_cfg.enable": False,
     "reward.reward_kwargs.overlong_buffer_cfg.len": 0,
     "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.0,
@@ -128,7 +130,6 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.model.override_config.": "overriding the model's own config",
     "actor_rollout_ref.model.exclude_modules": "LoRA on some of the linear layers (refppo adapts all of them)",
     "actor_rollout_ref.actor.optim.min_lr": "Megatron's learning-rate floor (refppo's: actor.optim.min_lr_ratio)",
-    "algorithm.gdpo_reward_keys": "GDPO's normalisation of each reward component",
     "data.continuous_token.": "continuous-token inputs",
     "data.custom_cls.": "dataset classes from a file",
     "data.audio_key": "audio inputs",
@@ -256,7 +257,6 @@ MISSING = {
     "algorithm.use_pf_ppo": ("false", "preference-feedback PPO's reweighting"),
     "actor_rollout_ref.rollout.do_sample": ("true", "greedy rollouts"),
     "actor_rollout_ref.rollout.over_sample_rate": ("0", "over-sampling with early stopping"),
-    "actor_rollout_ref.actor.calculate_sum_pi_squared": ("false", "the sum of squared probabilities"),
     "data.train_max_samples": ("-1", "a cap on the training records"),
     "data.val_max_samples": ("-1", "a cap on the evaluation records"),
     "data.reward_fn_key": ("data_source", "choosing the rule by another column"),
@@ -309,11 +309,6 @@ MISSING = {
 # values of verl 0.9's registries that refppo does not implement: what each is missing
 MISSING_CHOICES = {
     ("trainer.device", "npu"): "Ascend NPUs (it runs on CPUs and CUDA GPUs)",
-    ("algorithm.adv_estimator", "gdpo"): "GDPO's normalisation of each reward component (it needs several reward keys)",
-    ("algorithm.adv_estimator", "optimal_token_baseline"): "the optimal token baseline (it needs each token's "
-    "sum of squared probabilities)",
-    ("algorithm.adv_estimator", "tir_optimal_token_baseline"): "the optimal token baseline for tool-integrated "
-    "rollouts",
     ("algorithm.adv_estimator", "rloo_vectorized"): "verl's vectorised RLOO, which gives a group of one 0 "
     "(algorithm.adv_estimator=rloo keeps its score, as verl's rloo)",
     ("actor.policy_loss", "bypass_mode"): "choosing bypass mode's loss by name, which verl's trainer picks "

@@ -46,20 +46,23 @@ def load_reward_fn(spec: str):
     return fn
 
 
-def load_verl_reward_fn(path: str, name: str) -> RewardFn:
+def load_verl_reward_fn(path: str, name: str, extra_info: dict | None = None) -> RewardFn:
     """The function ``name`` of the Python file ``path``, as verl 0.9 loads a custom reward function
     (``get_custom_reward_fn`` in ``verl/trainer/ppo/reward.py``), called for each response as verl's
     naive reward manager calls it (``verl/experimental/reward_loop/reward_manager/naive.py``):
     ``name(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``, from the record's
     ``data_source``, the response's text, ``reward_model.ground_truth`` and a copy of
-    ``extra_info``; a dict result's score is its ``"score"``.
+    ``extra_info``. Dict results (``{"score": ..., "acc": ..., ...}``, verl's reward_extra_info)
+    come back as one dict of lists, the score under ``"score"`` (:func:`split_reward_result`).
 
     Args:
         path: a .py file.
         name: the function in it.
+        extra_info: added to each record's ``extra_info`` (verl's GDPO reward manager adds
+            ``experiment_name``).
 
     Returns:
-        ``fn(prompts, responses, records) -> (B,) scores``.
+        ``fn(prompts, responses, records) -> (B,) scores``, or a dict of (B,) lists.
     """
     key = "reward_model.custom_reward_function"
     file = Path(path)
@@ -77,18 +80,26 @@ def load_verl_reward_fn(path: str, name: str) -> RewardFn:
         call = "fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)"
         raise ValueError(f"{key}.name={name!r} cannot be called as {call}: {error}") from None
 
-    def reward(prompts: list[str], responses: list[str], records: list[dict]) -> list[float]:
-        scores = []
+    def reward(prompts: list[str], responses: list[str], records: list[dict]) -> list | dict[str, list]:
+        results = []
         for text, record in zip(responses, records, strict=True):
             truth = record.get("reward_model")
             result = fn(
                 data_source=record.get("data_source"),
                 solution_str=text,
                 ground_truth=truth.get("ground_truth") if isinstance(truth, dict) else None,
-                extra_info=dict(record.get("extra_info") or {}),
+                extra_info=dict(record.get("extra_info") or {}) | (extra_info or {}),
             )
-            scores.append(result["score"] if isinstance(result, dict) else result)
-        return scores
+            results.append(result)
+        if not any(isinstance(result, dict) for result in results):
+            return results
+        keys = results[0].keys() if isinstance(results[0], dict) else None
+        if keys is None or "score" not in keys or any(not isinstance(r, dict) or r.keys() != keys for r in results):
+            raise ValueError(
+                f"{key}.name={name!r}: its dict results must each hold 'score' and the same keys (got "
+                f"{sorted(keys or [])} and a result {results[-1]!r})"
+            )
+        return {k: [result[k] for result in results] for k in keys}
 
     reward.__module__ = str(file)
     reward.__qualname__ = name
@@ -109,6 +120,29 @@ def check_scores(scores, rows: int, source: str) -> torch.Tensor:
     if not bool(torch.isfinite(scores).all()):
         raise ValueError(f"{source} returned a non-finite score (NaN or inf)")
     return scores
+
+
+def split_reward_result(result, rows: int, source: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A reward function's scores, and the other numeric values of a dict result by name (verl's
+    reward_extra_info, which GDPO reads: ``algorithm.gdpo_reward_keys``).
+
+    Args:
+        result: (rows,) scores, or a dict of (rows,) lists with the scores under ``"score"``; values
+            that are not numbers (a parsed answer's text) are verl's for its logs and left out.
+        rows: the responses scored.
+        source: the function, as errors name it.
+
+    Returns:
+        ((rows,) float32 scores, {name: (rows,) float32}).
+    """
+    if not isinstance(result, dict):
+        return check_scores(result, rows, source), {}
+    components = {}
+    for name, values in result.items():
+        numeric = isinstance(values, torch.Tensor) or all(isinstance(v, (int, float)) for v in values)
+        if name != "score" and numeric:
+            components[name] = check_scores(values, rows, f"{source}'s {name!r}")
+    return check_scores(result["score"], rows, source), components
 
 
 def describe(fn) -> str:

@@ -82,7 +82,7 @@ from refppo.training.data import EpochSampler
 from refppo.training.dynamic_sampling import DynamicSampling
 from refppo.training.metrics import data_metrics, gather, peak_memory_gb, throughput_metrics, timer
 from refppo.training.optim import make_optimizer
-from refppo.training.reward_fns import RewardFn, check_scores, describe
+from refppo.training.reward_fns import RewardFn, check_scores, describe, split_reward_result
 from refppo.training.update import Learner, LossTerm, UpdateSettings, minibatch_updates
 
 
@@ -292,7 +292,9 @@ class PPOTrainer:
             )
 
     def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Sequence scores (B,) for training, and the extra (reported-only) scores by name.
+        """Sequence scores (B,) for training, and the extra scores by name: the other numbers of a
+        reward function's dict results (which GDPO reads), DAPO's overlong terms and the extra
+        reward functions' (reported only).
 
         With ``reward_model.reward_manager=dapo`` a rule's score gets DAPO's overlong shaping, as
         verl's DAPO reward manager adds it. A response that hit the length limit without EOS loses
@@ -305,15 +307,15 @@ class PPOTrainer:
             scores = compute_scores(self.reward_model, batch, rm.micro_batch_size_per_gpu)
         else:
             texts = decode_texts(self.tokenizer, batch)
-            scores = check_scores(
-                self.reward_fn(*texts, rows), len(rows), f"reward function {describe(self.reward_fn)}"
-            )
+            source = f"reward function {describe(self.reward_fn)}"
+            scores, extras = split_reward_result(self.reward_fn(*texts, rows), len(rows), source)
             if rm.reward_manager == "dapo" and rm.overlong_buffer.enable:
                 buffer = rm.overlong_buffer
                 limit = rm.max_resp_len or self.config.data.max_response_length
-                scores, extras = overlong_shaped(
+                scores, overlong = overlong_shaped(
                     scores, batch["response_mask"], limit, buffer.len, buffer.penalty_factor, buffer.log
                 )
+                extras |= overlong
         if rm.missing_eos_penalty > 0:
             scores = apply_missing_eos_penalty(scores.to(self.device), batch["is_truncated"], rm.missing_eos_penalty)
         for name, fn in self.extra_reward_fns.items():
@@ -357,7 +359,7 @@ class PPOTrainer:
             name = c.algorithm.adv_estimator
             estimator = self.accel.adv_estimators.get(name) or get_adv_estimator_fn(name)
             advantages, returns = compute_advantage(
-                batch, adv_estimator=name, adv_estimator_fn=estimator, config=c.algorithm
+                batch, adv_estimator=name, adv_estimator_fn=estimator, config=c.algorithm, non_tensor_batch=extras
             )
             batch["advantages"] = advantages
             batch["returns"] = returns
@@ -395,6 +397,8 @@ class PPOTrainer:
         with timer(timing, "old_log_prob", self.device):
             micro = c.rollout.log_prob_micro_batch_size_per_gpu
             old_log_probs, entropy = passes.compute_log_probs(self.actor, batch, temperature, micro, True)
+            if c.actor.calculate_sum_pi_squared:  # verl computes it in the same pass; here a second one
+                batch["sum_pi_squared"] = passes.compute_sum_pi_squared(self.actor, batch, temperature, micro)
         batch["old_log_probs"] = old_log_probs
         return entropy
 
