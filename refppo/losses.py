@@ -34,9 +34,10 @@ def _agg_loss(
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     if loss_scale_factor is not None:
         check_number("loss_scale_factor", loss_scale_factor, "(0, inf)")
-    # Callers guarantee at least one valid token (or pass the counts), so the divisions are exact.
+    # The counts are at least 1 when the mask has a valid token (agg_loss checks it); the clamps
+    # make a micro-batch that rejection sampling emptied add 0, as in verl's engine.
     if loss_agg_mode == "token-mean":
-        tokens = loss_mask.sum() if batch_num_tokens is None else batch_num_tokens
+        tokens = loss_mask.sum().clamp(min=1) if batch_num_tokens is None else batch_num_tokens
         return masked_sum(loss_mat, loss_mask) / tokens
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask)
@@ -49,7 +50,7 @@ def _agg_loss(
         seq_losses = seq_losses / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     # Rows with no valid token do not count as sequences (unless the caller counted them).
     has_tokens = (tokens > 0).to(seq_losses.dtype)
-    rows = has_tokens.sum() if global_batch_size is None else global_batch_size
+    rows = has_tokens.sum().clamp(min=1) if global_batch_size is None else global_batch_size
     return masked_sum(seq_losses, has_tokens) / rows
 
 
@@ -98,9 +99,12 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     """Weight of a micro-batch's aggregated loss in its mini-batch's, for gradient accumulation.
 
     With w = agg_loss_weight(micro_mask, mini_mask, mode), the sum over the micro-batches of
-    w * agg_loss(micro) equals agg_loss(mini) exactly (with the same ``loss_scale_factor``):
-    token-mean weighs by the share of valid tokens, sequence means by the share of non-empty
-    rows, token-sum by 1.
+    w * agg_loss(micro) equals the mini-batch's loss as verl 0.9's engine aggregates it exactly
+    (``agg_loss(mini, global_batch_size=mini rows)``, with the same ``loss_scale_factor``):
+    token-mean weighs by the share of valid tokens, token-sum by 1, and sequence means by the
+    micro-batch's non-empty rows over every row of the mini-batch. verl's engine divides a sequence
+    mean by ``global_batch_size``, the mini-batch's rows (``verl/trainer/ppo/ray_trainer.py``,
+    ``_update_actor``), so a row that rejection sampling emptied still counts.
 
     Args:
         micro_mask: (micro, T') 0/1, rows of the mini-batch (T' <= T: a micro-batch cut to its
@@ -124,7 +128,7 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
         return torch.ones((), dtype=dtype, device=micro_mask.device)
     if loss_agg_mode == "token-mean":
         return micro_mask.sum().to(dtype) / mini_mask.sum()
-    return (micro_mask.sum(dim=-1) > 0).sum().to(dtype) / (mini_mask.sum(dim=-1) > 0).sum()
+    return (micro_mask.sum(dim=-1) > 0).sum().to(dtype) / mini_mask.shape[0]
 
 
 # verl 0.9's policy-loss signature: every registered loss is called with these keywords and returns

@@ -289,12 +289,14 @@ def test_loss_bad_input():
 
 @given(batches(), st.sampled_from(["ragged", "holes", "with_empty_rows"]), st.integers(1, 4))
 def test_micro_batch_weights_rebuild_the_mini_batch_loss(b, kind, n_micro):
-    """Gradient accumulation: sum of weight * agg_loss(micro) == agg_loss(mini), every mode."""
+    """Gradient accumulation: sum of weight * agg_loss(micro) == the mini-batch's loss as verl's
+    engine aggregates it, every mode: a sequence mean over every row of the mini-batch, an empty
+    one included (``global_batch_size``)."""
     gen, batch, length, _ = b
     mask = make_mask(kind, batch, length, gen)
     loss_mat = torch.randn(batch, length, generator=gen, dtype=torch.float64)
     for mode in LOSS_AGG_MODES:
-        whole = agg_loss(loss_mat, mask, mode)
+        whole = agg_loss(loss_mat, mask, mode, global_batch_size=batch)
         total = 0.0
         for rows in torch.arange(batch).tensor_split(n_micro):
             if len(rows) == 0 or mask[rows].sum() == 0:

@@ -67,8 +67,8 @@ def plain_agg(x, mask, mode, scale=None):
         return (x * mask).sum()
     if mode == "seq-mean-token-sum":
         return (x * mask).sum(-1).mean()
-    if mode == "seq-mean-token-mean":
-        return ((x * mask).sum(-1) / mask.sum(-1)).mean()
+    if mode == "seq-mean-token-mean":  # a row rejection sampling emptied adds 0 and still counts
+        return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     assert mode == "seq-mean-token-sum-norm"
     return ((x * mask).sum(-1) / scale).mean()
 
@@ -420,6 +420,28 @@ def test_every_update_has_the_plain_gradient(overrides):
         assert max(s["actor/pg_clipfrac_lower"] for s in stats) > 0
     if BYPASS_RS[0] in overrides:  # some tokens were rejected, not none or all
         assert 0 < max(s["rollout_corr/rollout_rs_masked_fraction"] for s in stats) < 1
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"])
+def test_rows_rejection_sampling_empties_still_count_in_the_sequence_means(mode):
+    """verl 0.9's engine divides a sequence mean by every row of the mini-batch (global_batch_size),
+    one whose tokens a sequence-level rejection all dropped included; a micro-batch with no token
+    left adds nothing. Every gradient equals the plain loss over all rows."""
+    trainer = check_every_update(
+        [
+            *MODES["decoupled"],
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.12",
+            f"actor.loss_agg_mode={mode}",
+            f"critic.loss_agg_mode={mode}",
+            "actor.ppo_micro_batch_size_per_gpu=2",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+        ],
+        steps=3,
+        prepare=lambda t: perturb_rollout_log_probs(t, scale=0.5),
+    )
+    emptied = [int((b["response_mask"].sum(-1) == 0).sum()) for b in trainer.evaluated_batches]
+    assert 0 < max(emptied) and min(emptied) < trainer.evaluated_batches[0]["response_mask"].shape[0], emptied
 
 
 def test_terms_change_the_gradient_by_exactly_their_own_term():
