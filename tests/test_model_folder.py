@@ -181,3 +181,106 @@ def test_a_checkpoint_with_nan_weights_is_refused_before_any_write(sft_run, tmp_
     err = capsys.readouterr().err
     assert re.fullmatch(f"refppo: error: model folder {folder}: {message}; .*\n", err), err
     assert not out.exists()
+
+
+# A model class transformers does not know: its config and models live in the folder's own file,
+# which config.json's auto_map names (as a Hugging Face checkpoint with custom code ships them).
+CUSTOM_CODE = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, LlamaPreTrainedModel
+from transformers.modeling_outputs import TokenClassifierOutput
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "tiny_custom"
+
+
+class TinyCustomForCausalLM(LlamaForCausalLM):
+    config_class = TinyCustomConfig
+
+
+class TinyCustomForTokenClassification(LlamaPreTrainedModel):
+    config_class = TinyCustomConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.score = torch.nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return TokenClassifierOutput(logits=self.score(hidden.last_hidden_state))
+"""
+AUTO_MAP = {
+    "AutoConfig": "modeling_tiny_custom.TinyCustomConfig",
+    "AutoModelForCausalLM": "modeling_tiny_custom.TinyCustomForCausalLM",
+    "AutoModelForTokenClassification": "modeling_tiny_custom.TinyCustomForTokenClassification",
+}
+
+
+@pytest.fixture(scope="module")
+def custom_code_model(sft_run, tmp_path_factory):
+    """The SFT model's weights and tokenizer in a folder whose model type only its own code defines."""
+    folder = tmp_path_factory.mktemp("custom") / "m"
+    shutil.copytree(sft_run / "model", folder)
+    (folder / "modeling_tiny_custom.py").write_text(CUSTOM_CODE)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "tiny_custom", "architectures": ["TinyCustomForCausalLM"], "auto_map": AUTO_MAP}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_folder_with_its_own_code_loads_and_runs_with_trust_remote_code(custom_code_model, sft_run):
+    """Trusted, the folder's own classes build the actor and a critic, whose outputs equal those of
+    the same weights in transformers' Llama classes; a PPO step with a critic runs on it."""
+    tok = AutoTokenizer.from_pretrained(custom_code_model, trust_remote_code=True)
+    actor = load_causal_lm(custom_code_model, tok, trust_remote_code=True)
+    critic = load_value_model(custom_code_model, tok, trust_remote_code=True)
+    assert type(actor).__name__ == "TinyCustomForCausalLM", type(actor)
+    assert type(critic).__name__ == "TinyCustomForTokenClassification", type(critic)
+    ids = torch.tensor([tok("12+30=")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(actor(ids).logits, load_causal_lm(sft_run / "model", tok)(ids).logits)
+    out = custom_code_model.parent / "ppo"
+    argv = ["ppo", f"model.path={custom_code_model}", "model.trust_remote_code=true"]
+    assert main([*argv, "critic.model.trust_remote_code=true", f"trainer.output_dir={out}", *QUICK_PPO]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and "critic/vf_loss" in rows[-1], rows[-1].keys()
+    assert (out / "actor" / "modeling_tiny_custom.py").is_file()  # the saved actor carries its code
+
+
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        ([], "model.trust_remote_code"),
+        (["model.trust_remote_code=true"], "critic.model.trust_remote_code"),  # the critic's own, as verl's
+        (
+            ["actor_rollout_ref.model.trust_remote_code=False", "critic.model.trust_remote_code=true"]
+            + ["data.max_prompt_length=16"],  # a verl line takes verl's 512 otherwise
+            "model.trust_remote_code=true",
+        ),
+    ],
+)
+def test_a_folder_with_its_own_code_is_refused_without_trust_remote_code(
+    custom_code_model, given, named, capsys, monkeypatch, tmp_path
+):
+    out = tmp_path / "run"
+    argv = ["refppo", "ppo", f"model.path={custom_code_model}", *given, f"trainer.output_dir={out}", *QUICK_PPO]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert entry() == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("refppo: error:")]
+    assert len(err) == 1 and not out.exists(), err
+    assert named in err[0] and "modeling_tiny_custom.py" in err[0] and "auto_map" in err[0], err
+
+
+def test_trusted_code_without_the_class_a_run_builds_is_refused(custom_code_model, tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "m"
+    shutil.copytree(custom_code_model, folder)
+    _edit_config(folder, auto_map={k: v for k, v in AUTO_MAP.items() if "TokenClassification" not in k})
+    out = tmp_path / "run"
+    trusted = ["model.trust_remote_code=true", "critic.model.trust_remote_code=true"]
+    monkeypatch.setattr(sys, "argv", ["refppo", "ppo", f"model.path={folder}", *trusted, f"trainer.output_dir={out}"])
+    assert entry() == 2
+    err = capsys.readouterr().err
+    assert "defines no AutoModelForTokenClassification" in err and not out.exists(), err

@@ -12,6 +12,7 @@ from refppo.rollout.prompts import (
     tokenize_records,
 )
 from refppo.settings.config import Config, apply_overrides
+from refppo.settings.overrides import command_settings
 
 
 def test_prompt_length_limit(tok):
@@ -95,3 +96,35 @@ def test_bad_prompts(tok):
         tokenize_prompts(tok, "1+1=")
     with pytest.raises(ValueError, match="sequence 0 has no tokens"):
         left_pad([[]], tok.pad_token_id)
+
+
+def test_chat_template_keywords_change_the_prompt_tokens():
+    """data.apply_chat_template_kwargs reaches the template (verl's enable_thinking): the tokens
+    differ with the keyword, and a template without it renders as before."""
+    chat_tok, tok = chat_tokenizer(), chat_tokenizer()
+    tok.chat_template = "{% if enable_thinking %}<think>{% endif %}" + chat_tok.chat_template
+    chat = [{"role": "user", "content": "1+1="}]
+    plain = encode_prompts(tok, [chat])[0]
+    thinking = encode_prompts(tok, [chat], chat_template_kwargs={"enable_thinking": True})[0]
+    assert thinking[-len(plain) :] == plain and len(thinking) > len(plain)
+    assert encode_prompts(tok, [chat], chat_template_kwargs={"enable_thinking": False})[0] == plain
+    ids, _ = tokenize_prompts(tok, [chat], chat_template_kwargs={"enable_thinking": True})
+    assert ids[0].tolist() == thinking
+    assert encode_prompts(chat_tok, [chat], chat_template_kwargs={"enable_thinking": True})[0] == plain
+
+
+def test_chat_template_keywords_are_read_from_a_verl_line():
+    config, _ = command_settings(
+        "ppo",
+        ["data.train_files=x.jsonl", "+data.apply_chat_template_kwargs.enable_thinking=False"]
+        + ["+data.apply_chat_template_kwargs.reasoning_effort=medium"],
+    )
+    assert config.data.apply_chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "medium"}
+    for bad, message in (
+        ("data.apply_chat_template_kwargs={enable_thinking: false}", "give each keyword"),
+        ("+data.apply_chat_template_kwargs.tokenize=true", "apply_chat_template's own argument"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            command_settings("ppo", ["data.train_files=x.jsonl", bad])
+    with pytest.raises(ValueError, match="read only with data.task=file"):
+        command_settings("ppo", ["data.apply_chat_template_kwargs.enable_thinking=true"])

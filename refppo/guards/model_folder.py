@@ -190,3 +190,47 @@ def check_same_tokenizer(tokenizer, other, key: str, path: str | os.PathLike) ->
             "its tokenizer differs from model.path's, so it would read token ids it does not understand",
             "train it from the same SFT model",
         )
+
+
+def check_remote_code(spec: dict, key: str, path: str | os.PathLike, trust_key: str, trusted: bool, auto_class: str):
+    """Refuse a folder whose model only its own Python code builds (``config.json``'s ``auto_map``
+    for a ``model_type`` transformers lacks) unless ``trust_key`` is true; and, trusted, one whose
+    ``auto_map`` lacks the configuration or ``auto_class``, names code in another repository, or
+    names a module the folder does not hold: transformers would fail deep inside, or go online.
+
+    Args:
+        spec: the folder's ``config.json`` (from :func:`check_model_folder`).
+        key, path: the setting that named the folder, and the folder.
+        trust_key: the setting that allows its code, e.g. "model.trust_remote_code".
+        trusted: that setting's value.
+        auto_class: the Auto class the run builds from it: "AutoModelForCausalLM" for the actor,
+            "AutoModelForTokenClassification" for a critic or reward model.
+    """
+    from transformers import CONFIG_MAPPING
+
+    auto_map = spec.get("auto_map")
+    if not isinstance(auto_map, dict) or spec["model_type"] in CONFIG_MAPPING:
+        return  # transformers' own classes build it, whatever the folder ships
+    path = os.fspath(path)
+    if not trusted:
+        modules = sorted({f"{ref.split('.')[0]}.py" for ref in auto_map.values() if isinstance(ref, str)})
+        _fail(
+            key,
+            path,
+            f"its model (model_type {spec['model_type']!r}) is built by the folder's own Python code "
+            f"({', '.join(modules)}, config.json's auto_map), which runs only with {trust_key}=true",
+            f"set {trust_key}=true if you trust that code (it runs with your permissions)",
+        )
+    for needed in ("AutoConfig", auto_class):
+        ref = auto_map.get(needed)
+        if not isinstance(ref, str):
+            _fail(
+                key,
+                path,
+                f"its own code defines no {needed} (auto_map has {', '.join(auto_map)})",
+                "add it to the code",
+            )
+        if "--" in ref:
+            _fail(key, path, f"auto_map's {needed} is code in another repository ({ref})", "copy it into the folder")
+        if not (Path(path) / f"{ref.split('.')[0]}.py").is_file():
+            _fail(key, path, f"auto_map's {needed} ({ref}) names a module the folder lacks", "copy it into the folder")

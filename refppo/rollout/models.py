@@ -116,8 +116,11 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _config_without_dropout(source: str | os.PathLike | PretrainedConfig, **fields) -> PretrainedConfig:
-    """The source's config (a copy) with every dropout probability set to 0 and ``fields`` set."""
+def _config_without_dropout(
+    source: str | os.PathLike | PretrainedConfig, trust_remote_code: bool = False, **fields
+) -> PretrainedConfig:
+    """The source's config (a copy) with every dropout probability set to 0 and ``fields`` set;
+    ``trust_remote_code`` lets a folder's own configuration code run (config.json's auto_map)."""
     if isinstance(source, PretrainedConfig):
         config = copy.deepcopy(source)
     else:
@@ -127,7 +130,7 @@ def _config_without_dropout(source: str | os.PathLike | PretrainedConfig, **fiel
                 f"no model folder at {path!r}; refppo loads models offline from a local folder "
                 "written by save_pretrained (or pass a transformers config)"
             )
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, 0.0)
@@ -137,14 +140,19 @@ def _config_without_dropout(source: str | os.PathLike | PretrainedConfig, **fiel
     return config
 
 
-def _build(auto_cls, source, config: PretrainedConfig, tokenizer, device, dtype) -> tuple[PreTrainedModel, set]:
-    """Instantiate ``auto_cls`` from a folder or a config; returns (model, keys not in the checkpoint)."""
+def _build(
+    auto_cls, source, config: PretrainedConfig, tokenizer, device, dtype, trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, set]:
+    """Instantiate ``auto_cls`` from a folder or a config (the folder's own model code run only with
+    ``trust_remote_code``); returns (model, keys not in the checkpoint)."""
     with _quiet_transformers():
         if isinstance(source, PretrainedConfig):
-            model = auto_cls.from_config(config)
+            model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
             missing = None
         else:
-            model, info = auto_cls.from_pretrained(os.fspath(source), config=config, output_loading_info=True)
+            model, info = auto_cls.from_pretrained(
+                os.fspath(source), config=config, output_loading_info=True, trust_remote_code=trust_remote_code
+            )
             missing = set(info["missing_keys"])
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
@@ -172,6 +180,7 @@ def load_causal_lm(
     tokenizer=None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """The actor or the reference: a causal LM with dropout off, in eval mode.
 
@@ -181,13 +190,15 @@ def load_causal_lm(
         device: where the weights live.
         dtype: weight dtype; float32 for trained models (on CUDA, forward passes autocast to
             bf16, see :func:`refppo.rollout.device.autocast`), bf16 is fine for a frozen reference on CUDA.
+        trust_remote_code: run the folder's own Python code (its config.json's ``auto_map``), as
+            ``model.trust_remote_code`` allows; transformers refuses such a folder without it.
 
     Returns:
         A ``PreTrainedModel`` whose forward gives logits (batch, seq, vocab). A folder whose
         weights hold NaN or inf is refused (ValueError).
     """
-    config = _config_without_dropout(source)
-    return _build(AutoModelForCausalLM, source, config, tokenizer, device, dtype)[0]
+    config = _config_without_dropout(source, trust_remote_code)
+    return _build(AutoModelForCausalLM, source, config, tokenizer, device, dtype, trust_remote_code)[0]
 
 
 # The attribute transformers' *ForTokenClassification models keep their head in: Llama, Qwen2,
@@ -226,6 +237,7 @@ def load_value_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     require_head: bool = False,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """The critic or the reward model: a causal-LM backbone with a scalar head, dropout off.
 
@@ -240,13 +252,17 @@ def load_value_model(
         dtype: weight dtype.
         require_head: refuse a source without a trained head (a reward model must have one:
             a random head would score noise).
+        trust_remote_code: as :func:`load_causal_lm`'s (the folder's code must define an
+            ``AutoModelForTokenClassification``).
 
     Returns:
         A model whose forward gives ``logits`` of shape (batch, seq, 1): one scalar per position.
         A folder whose weights hold NaN or inf is refused (ValueError).
     """
-    config = _config_without_dropout(source, num_labels=1)
-    model, missing = _build(AutoModelForTokenClassification, source, config, tokenizer, device, dtype)
+    config = _config_without_dropout(source, trust_remote_code, num_labels=1)
+    model, missing = _build(
+        AutoModelForTokenClassification, source, config, tokenizer, device, dtype, trust_remote_code
+    )
     if missing is None or f"{value_head_name(model)}.weight" in missing:
         if require_head:
             raise ValueError(

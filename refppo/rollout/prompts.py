@@ -14,7 +14,7 @@ response token ``t``: its logits predict token ``t`` and its value is ``values[:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -65,7 +65,9 @@ def prompt_problem(prompt, tokenizer=None) -> str | None:
     return None
 
 
-def encode_prompts(tokenizer, prompts: Sequence, names: Sequence[str] | None = None) -> list[list[int]]:
+def encode_prompts(
+    tokenizer, prompts: Sequence, names: Sequence[str] | None = None, chat_template_kwargs: Mapping | None = None
+) -> list[list[int]]:
     """The token ids of each prompt, as verl's rollout builds them.
 
     A text is encoded with the tokenizer's special tokens (a BOS where the tokenizer adds one). A
@@ -77,6 +79,8 @@ def encode_prompts(tokenizer, prompts: Sequence, names: Sequence[str] | None = N
         tokenizer: a Hugging Face tokenizer; chats need its ``chat_template``.
         prompts: N texts or chats (see :func:`prompt_problem`), in any mix.
         names: N names of the prompts for errors (e.g. "file.jsonl:3"); None: "prompt i".
+        chat_template_kwargs: keyword arguments to the chat template (verl's
+            ``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
 
     Returns:
         N lists of token ids.
@@ -89,7 +93,8 @@ def encode_prompts(tokenizer, prompts: Sequence, names: Sequence[str] | None = N
         if (problem := prompt_problem(prompt, tokenizer)) is not None:
             raise ValueError(f"{name} {problem}")
     chats = [not isinstance(p, str) for p in prompts]
-    texts = [_render_chat(tokenizer, p, name) if chat else p for p, chat, name in zip(prompts, chats, names)]
+    kwargs = dict(chat_template_kwargs or {})
+    texts = [_render_chat(tokenizer, p, name, kwargs) if chat else p for p, chat, name in zip(prompts, chats, names)]
     ids: list[list[int]] = [[] for _ in prompts]
     for chat in (False, True):  # one tokenizer call for the texts, one for the chats
         rows = [i for i, c in enumerate(chats) if c == chat]
@@ -99,20 +104,24 @@ def encode_prompts(tokenizer, prompts: Sequence, names: Sequence[str] | None = N
     return ids
 
 
-def _render_chat(tokenizer, chat: Sequence[dict], name: str) -> str:
+def _render_chat(tokenizer, chat: Sequence[dict], name: str, kwargs: dict) -> str:
     """A chat rendered by the tokenizer's template with the assistant's turn opened; a template's
     refusal (e.g. of a role it does not know) becomes a ValueError naming the prompt and its roles."""
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=False, **kwargs)
     except TemplateError as error:
         roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in chat))
         raise ValueError(f"{name}: the tokenizer's chat template refuses this chat (roles: {roles}): {error}") from None
 
 
 def tokenize_prompts(
-    tokenizer, prompts: Sequence, max_prompt_length: int | None = None, truncation: str = "error"
+    tokenizer,
+    prompts: Sequence,
+    max_prompt_length: int | None = None,
+    truncation: str = "error",
+    chat_template_kwargs: Mapping | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize prompts into a left-padded batch (texts with the tokenizer's special tokens, chats
     through its chat template: :func:`encode_prompts`).
@@ -123,6 +132,7 @@ def tokenize_prompts(
         max_prompt_length: longest allowed prompt in tokens; None for no limit.
         truncation: what a longer prompt gets (verl's ``data.truncation``): "error", or keep
             its "left" part, or its "right" part (the end, next to the response).
+        chat_template_kwargs: keyword arguments to the chat template (:func:`encode_prompts`).
 
     Returns:
         (input_ids (N, L) int64, attention_mask (N, L) int64).
@@ -132,7 +142,7 @@ def tokenize_prompts(
         raise ValueError("prompts must be a list of texts, got one string")
     if len(prompts) == 0:
         raise ValueError("no prompts: the prompt list is empty")
-    ids = encode_prompts(tokenizer, prompts)
+    ids = encode_prompts(tokenizer, prompts, chat_template_kwargs=chat_template_kwargs)
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
             if len(seq) > max_prompt_length:
@@ -147,9 +157,12 @@ def tokenize_prompts(
 
 def tokenize_records(tokenizer, records: Sequence[dict], data) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tokenize_prompts` of the records' prompts (``data.prompt_key``) under ``data``'s
-    ``max_prompt_length`` and ``truncation`` (a run's ``config.data``): (N, L) ids and mask."""
+    ``max_prompt_length``, ``truncation`` and ``apply_chat_template_kwargs`` (a run's ``config.data``):
+    (N, L) ids and mask."""
     prompts = [r[data.prompt_key] for r in records]
-    return tokenize_prompts(tokenizer, prompts, data.max_prompt_length, data.truncation)
+    return tokenize_prompts(
+        tokenizer, prompts, data.max_prompt_length, data.truncation, data.apply_chat_template_kwargs
+    )
 
 
 def decode_texts(tokenizer, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -202,7 +215,11 @@ def sequence_batch(prompts, prompt_mask, responses, response_mask) -> dict[str, 
 
 
 def build_batch(
-    tokenizer, prompts: Sequence[str], responses: Sequence[str], add_eos: bool = True
+    tokenizer,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    add_eos: bool = True,
+    chat_template_kwargs: Mapping | None = None,
 ) -> dict[str, torch.Tensor]:
     """A batch in the rollout layout from given texts (for SFT, reward-model pairs, tests).
 
@@ -211,6 +228,7 @@ def build_batch(
         prompts: N prompt texts (tokenized with the tokenizer's special tokens, left-padded).
         responses: N response texts (tokenized without special tokens, right-padded).
         add_eos: end each response with EOS, as a finished rollout does.
+        chat_template_kwargs: keyword arguments to the chat template of chat prompts.
 
     Returns:
         dict with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
@@ -218,7 +236,7 @@ def build_batch(
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, chat_template_kwargs=chat_template_kwargs)
     eos = [tokenizer.eos_token_id] if add_eos else []
     response_lists = [seq + eos for seq in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
     # Right padding is left padding of the reversed lists, reversed back.

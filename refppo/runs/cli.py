@@ -28,7 +28,13 @@ import torch
 from refppo.advantages import needs_critic
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
 from refppo.guards.memory import SYNTHETIC_RECORD_BYTES
-from refppo.guards.model_folder import check_lora_rank, check_model_folder, check_same_tokenizer, check_vocabulary
+from refppo.guards.model_folder import (
+    check_lora_rank,
+    check_model_folder,
+    check_remote_code,
+    check_same_tokenizer,
+    check_vocabulary,
+)
 from refppo.rollout.device import resolve_device
 from refppo.rollout.prompts import tokenize_prompts, tokenize_records
 from refppo.runs.folder import RunFolder, check_free, check_resume, check_writable, summary
@@ -80,8 +86,9 @@ def settings_help(command: str, config: Config | None = None) -> str:
     return "\n".join(lines + [f"  {setting.ljust(width)}{valid}".rstrip() for setting, valid in rows])
 
 
-def load_tokenizer(path: str | None):
-    """The tokenizer saved beside a model, or the offline tasks' character tokenizer."""
+def load_tokenizer(path: str | None, trust_remote_code: bool = False):
+    """The tokenizer saved beside a model (its own code run only with ``trust_remote_code``), or
+    the offline tasks' character tokenizer."""
     # transformers is imported here and in the commands, not with this module: help and the
     # settings' refusals then answer without its import time
     if path is not None and os.path.exists(os.path.join(path, "tokenizer_config.json")):
@@ -89,7 +96,7 @@ def load_tokenizer(path: str | None):
 
         from refppo.rollout.models import prepare_tokenizer
 
-        return prepare_tokenizer(AutoTokenizer.from_pretrained(path))
+        return prepare_tokenizer(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
     from refppo.tasks.tokenizer import build_tokenizer
 
     return build_tokenizer()
@@ -105,6 +112,37 @@ def _model_folders(config: Config, command: str) -> list[tuple[str, str]]:
     return [(key, path) for key, path in folders if path is not None]
 
 
+SCALAR_HEAD = "AutoModelForTokenClassification"
+
+
+def _remote_code_loads(config: Config, command: str) -> list[tuple[str, str, str, bool, str]]:
+    """(setting, folder, its trust_remote_code setting, that setting's value, the Auto class
+    built) of each model ``command`` builds; the critic without a path of its own is model.path's
+    folder under critic.model.trust_remote_code, as verl's critic.model.path defaults to the actor's."""
+    m = config.model
+    loads = [("model.path", m.path, "model.trust_remote_code", m.trust_remote_code, "AutoModelForCausalLM")]
+    if command == "rm":
+        loads = [(*loads[0][:4], SCALAR_HEAD)]
+    if command == "ppo" and needs_critic(config.algorithm.adv_estimator):
+        critic = config.critic.model
+        key = "critic.model.path" if critic.path else "model.path"
+        loads.append(
+            (key, critic.path or m.path, "critic.model.trust_remote_code", critic.trust_remote_code, SCALAR_HEAD)
+        )
+    if command == "ppo" and config.reward_model.enable:
+        rm = config.reward_model.model
+        loads.append(
+            (
+                "reward_model.model.path",
+                rm.path,
+                "reward_model.model.trust_remote_code",
+                rm.trust_remote_code,
+                SCALAR_HEAD,
+            )
+        )
+    return [load for load in loads if load[1] is not None]
+
+
 def checked_tokenizer(config: Config, command: str):
     """Check every model folder ``command`` loads (:func:`refppo.guards.model_folder.check_model_folder`)
     and return the tokenizer of ``model.path`` (the offline tasks' one without it), refusing one
@@ -116,15 +154,34 @@ def checked_tokenizer(config: Config, command: str):
         key: check_model_folder(path, key, head=False if key == "model.path" else None, positions=positions)
         for key, path in folders
     }
+    for key, path, trust_key, trusted, auto_class in _remote_code_loads(config, command):
+        check_remote_code(specs[key], key, path, trust_key, trusted, auto_class)
     if command == "ppo" and config.model.path is not None:
         check_lora_rank(config.model.lora_rank, specs["model.path"], config.model.path)
-    tokenizer = load_tokenizer(config.model.path)
+    tokenizer = _tokenizer(config.model.path, "model.path", "model.trust_remote_code", config.model.trust_remote_code)
+    trust = {"critic.model.path": config.critic.model, "reward_model.model.path": config.reward_model.model}
     for key, path in folders:
         if isinstance(specs[key].get("vocab_size"), int):
             check_vocabulary(tokenizer, specs[key]["vocab_size"], key, path)
         if key != "model.path" and os.path.exists(os.path.join(path, "tokenizer_config.json")):
-            check_same_tokenizer(tokenizer, load_tokenizer(path), key, path)
+            trust_key = key.removesuffix("path") + "trust_remote_code"
+            other = _tokenizer(path, key, trust_key, trust[key].trust_remote_code)
+            check_same_tokenizer(tokenizer, other, key, path)
     return tokenizer
+
+
+def _tokenizer(path: str | None, key: str, trust_key: str, trusted: bool):
+    """:func:`load_tokenizer`, with transformers' refusal of a tokenizer's own code (its
+    tokenizer_config.json's auto_map) naming the setting that allows it."""
+    try:
+        return load_tokenizer(path, trusted)
+    except ValueError as error:
+        if trusted or "trust_remote_code" not in str(error):
+            raise
+        raise ValueError(
+            f"{key}={path}: its tokenizer is built by the folder's own Python code (tokenizer_config.json's "
+            f"auto_map), which runs only with {trust_key}=true; set it if you trust that code"
+        ) from None
 
 
 def _save_model(model, tokenizer, folder: Path, world: World) -> None:
@@ -155,7 +212,7 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
     )
     torch.manual_seed(config.trainer.seed)
-    model = load_causal_lm(source, tokenizer, device)
+    model = load_causal_lm(source, tokenizer, device, trust_remote_code=m.trust_remote_code)
     if m.use_fused_kernels:
         check_fused_kernels(model, "SFT model")
     if m.enable_gradient_checkpointing:
@@ -189,11 +246,15 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         config.trainer.progress_bar,
         log_probs_fn=log_probs_fn,
         world=world,
+        chat_template_kwargs=config.data.apply_chat_template_kwargs,
     )
     _save_model(model, tokenizer, run.path / "model", world)
     held_out = {}
     if held:
-        held_out["val/loss"] = held_out_loss(model, tokenizer, held, log_probs_fn=log_probs_fn)
+        kwargs = config.data.apply_chat_template_kwargs
+        held_out["val/loss"] = held_out_loss(
+            model, tokenizer, held, log_probs_fn=log_probs_fn, chat_template_kwargs=kwargs
+        )
     if score_held is not None:
         held_out["val/accuracy" if config.data.task == "file" else "val/score"] = score_held(model)
     if held_out:
@@ -217,7 +278,10 @@ def _file_demonstrations(config: Config, tokenizer, model_config, world: World, 
         return pairs(train), pairs(held), None
     scored = "the held-out records (answered after training)"
     check_generation_fits(config, model_config, len(last_turns), scored, world, device)
-    ids, mask = tokenize_prompts(tokenizer, [prompt for prompt, _ in last_turns], config.data.max_prompt_length)
+    prompts = [prompt for prompt, _ in last_turns]
+    ids, mask = tokenize_prompts(
+        tokenizer, prompts, config.data.max_prompt_length, chat_template_kwargs=config.data.apply_chat_template_kwargs
+    )
     records = [record for _, record in last_turns]
     limit = config.data.max_response_length
     accuracy = lambda model: greedy_score(model, tokenizer, ids, mask, records, answer_accuracy, limit, world)
@@ -246,8 +310,9 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
         held = []
         centre_on = preference.make_sft_examples(512, seed=config.trainer.seed + 20)
     check_batch_fits(r.batch_size, len(pairs), "rm.batch_size", "training comparisons (rm.n_pairs)")
+    kwargs = config.data.apply_chat_template_kwargs
     torch.manual_seed(config.trainer.seed)
-    rm = load_value_model(config.model.path, tokenizer, device)
+    rm = load_value_model(config.model.path, tokenizer, device, trust_remote_code=config.model.trust_remote_code)
     if config.model.enable_gradient_checkpointing:
         enable_gradient_checkpointing(rm)
     shard(rm, world)
@@ -263,12 +328,14 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
         run.log,
         config.trainer.progress_bar,
         world,
+        chat_template_kwargs=kwargs,
     )
     if r.center:
-        center_reward_model(rm, tokenizer, [p for p, _ in centre_on], [response for _, response in centre_on])
+        prompts, responses = [p for p, _ in centre_on], [response for _, response in centre_on]
+        center_reward_model(rm, tokenizer, prompts, responses, chat_template_kwargs=kwargs)
     _save_model(rm, tokenizer, run.path / "model", world)
     if held:
-        run.log(r.steps, held_out_comparisons(rm, tokenizer, held))
+        run.log(r.steps, held_out_comparisons(rm, tokenizer, held, chat_template_kwargs=kwargs))
 
 
 def probe_reward_fn(reward_fn, records: list[dict], tokenizer, data) -> None:
@@ -310,16 +377,27 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     config.trainer.total_training_steps = total_steps(config, len(train))
     validate(config, "ppo")
     torch.manual_seed(config.trainer.seed)
-    actor = load_causal_lm(config.model.path, tokenizer, device)
+    actor = load_causal_lm(config.model.path, tokenizer, device, trust_remote_code=config.model.trust_remote_code)
     if config.model.lora_rank > 0:
         actor = add_lora(actor, config.model.lora_rank, config.model.lora_alpha)
     critic = None
     if needs_critic(config.algorithm.adv_estimator):
-        critic = load_value_model(config.critic.model.path or config.model.path, tokenizer, device)
+        critic_model = config.critic.model
+        critic = load_value_model(
+            critic_model.path or config.model.path, tokenizer, device, trust_remote_code=critic_model.trust_remote_code
+        )
     rm_cfg = config.reward_model
     reward_model = None
     if rm_cfg.enable:
-        reward_model = freeze(load_value_model(rm_cfg.model.path, tokenizer, device, require_head=True))
+        reward_model = freeze(
+            load_value_model(
+                rm_cfg.model.path,
+                tokenizer,
+                device,
+                require_head=True,
+                trust_remote_code=rm_cfg.model.trust_remote_code,
+            )
+        )
     reward_fn = task_reward
     if rm_cfg.reward_fn:
         reward_fn = load_reward_fn(rm_cfg.reward_fn)

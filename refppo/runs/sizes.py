@@ -57,7 +57,7 @@ def check_rollouts_fit(config: Config, world: World, device) -> None:
 
     d = config.data
     n = config.rollout.n
-    model_config = AutoConfig.from_pretrained(config.model.path)
+    model_config = AutoConfig.from_pretrained(config.model.path, trust_remote_code=config.model.trust_remote_code)
     for rows, what in (
         (d.train_batch_size * n, f"data.train_batch_size={d.train_batch_size} x rollout.n={n}"),
         (d.val_size, f"data.val_size={d.val_size}"),

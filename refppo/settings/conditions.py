@@ -128,6 +128,11 @@ FILTERING = when(lambda s: s.owner.enable, "algorithm.filter_groups.enable=true"
 FRESH_MODEL = when(
     lambda s: s.config.model.path is None, "model.path=null (a fresh tiny model; a checkpoint brings its own shape)"
 )
+# refppo rm and ppo need model.path; refppo sft without one builds a tiny model from refppo's own code
+MODEL_FOLDER = when(
+    lambda s: s.command != "sft" or s.config.model.path is not None,
+    "model.path=<a model folder> (not a fresh tiny model)",
+)
 TINY_MODEL = {"commands": ("sft",), "needs": FRESH_MODEL, "unread_because": "the model's shape comes from model.path"}
 
 

@@ -47,6 +47,7 @@ from refppo.settings.conditions import (
     KL_LOSS,
     LORA,
     LOSS_TAKES,
+    MODEL_FOLDER,
     NO_ENTROPY_BONUS,
     NOT_BYPASSING,
     OLD_LOG_PROB_PASS,
@@ -142,6 +143,9 @@ class DataConfig:
     # drop the prompts longer than data.max_prompt_length instead (verl's; before any truncation);
     # sft and rm: the records whose prompt or responses are longer than the two limits
     filter_overlong_prompts: bool = setting(False, commands=COMMANDS, needs=FILE_TASK)
+    # keyword arguments to the tokenizer's chat template wherever a chat prompt is rendered, as
+    # verl's (e.g. enable_thinking=false); given one by one: data.apply_chat_template_kwargs.<name>=<value>
+    apply_chat_template_kwargs: dict[str, object] = setting(commands=COMMANDS, needs=FILE_TASK, factory=dict)
 
 
 @dataclass
@@ -150,6 +154,9 @@ class ModelConfig:
     or the shape of a fresh tiny model, and LoRA."""
 
     path: str | None = setting(None, commands=COMMANDS)  # a save_pretrained folder; None: a fresh tiny model
+    # run the Python code model.path ships (config.json's auto_map) to build its model and tokenizer;
+    # false refuses such a folder. Only for code you trust: it runs as you.
+    trust_remote_code: bool = setting(False, commands=COMMANDS, needs=MODEL_FOLDER)
     arch: str = setting("llama", **TINY_MODEL)
     hidden_size: int = setting(128, COUNT, **TINY_MODEL)
     num_hidden_layers: int = setting(2, COUNT, **TINY_MODEL)
@@ -291,6 +298,8 @@ class PathConfig:
     """A ``<section>.model.path`` setting (``reward_model.model.path``; ``critic.model`` adds one)."""
 
     path: str | None = setting(None)
+    # as model.trust_remote_code, for this folder (the critic's: model.path's when its path is null)
+    trust_remote_code: bool = setting(False)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import json
 import types
 import typing
 import warnings
@@ -152,6 +153,11 @@ def _parse(text: str, hint, key: str):
                 args = (args[0],) * len(parts)
             types_ = args
             return tuple(_parse(part, a, key) for part, a in zip(parts, types_, strict=True))
+        if typing.get_origin(hint) is dict:  # keyword arguments, as JSON (refppo.settings.verl_names.DICTS)
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
         return hint(text)
     except ValueError:
         raise ValueError(f"{key}={text!r}: expected {getattr(hint, '__name__', hint)}") from None

@@ -56,6 +56,10 @@ OTHER_DEFAULTS = {
     "model.enable_gradient_checkpointing": (True, f"{TINY_RUNS} have memory to spare; it costs a forward pass"),
     "critic.model.enable_gradient_checkpointing": (True, f"{TINY_RUNS} have memory to spare; it costs a forward pass"),
     "critic.model.path": ("~/models/deepseek-llm-7b-chat", "null: the actor's model.path, with a fresh value head"),
+    "reward_model.model.trust_remote_code": (
+        None,
+        "a setting refppo reads (verl 0.9 reads this legacy key nowhere: its reward model's code never runs)",
+    ),
     "critic.use_dynamic_bsz": (
         "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}",
         "the critic's micro-batches are its own setting, not the actor's",
@@ -179,6 +183,9 @@ def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list
             continue
         if key in REFPPO_ONLY or (key.endswith("model.path") and value is None):
             alone.append(f"{key}={format_value(value)}: {REFPPO_ONLY.get(key, TINY)}")
+            continue
+        if isinstance(value, dict):  # verl's config holds {}: each keyword is added with "+"
+            lines += [f"+{verl_key(key)}.{name}={format_value(item)}" for name, item in value.items()]
             continue
         if key == "trainer.total_epochs" and value is None:
             value = 10**6  # refppo counts steps; verl's run would end after its default 30 epochs

@@ -16,6 +16,9 @@ Where verl's documentation and code disagree, these follow its code at v0.9.0.
 
 from __future__ import annotations
 
+import contextlib
+import json
+
 from refppo.advantages import needs_critic
 from refppo.losses import POLICY_LOSS_SETTINGS
 
@@ -108,7 +111,19 @@ UNREAD_BY_VERL = {
     },  # noqa: E501
     "data.return_multi_modal_inputs": "read only with image, video or audio inputs",
     "critic.model.lora_alpha": "read only with a LoRA critic (critic.model.lora_rank > 0)",
+    # verl's main_ppo loads the tokenizer with the actor's model (_init_tokenizer in
+    # verl/trainer/ppo/v1/trainer_base.py); only its experimental trainers read data's
+    "data.trust_remote_code": "the tokenizer is loaded with actor_rollout_ref.model.trust_remote_code "
+    "(refppo's model.trust_remote_code)",
 }
+# a verl setting that is a dict whose keys a command line gives one by one
+# (+data.apply_chat_template_kwargs.enable_thinking=False): its refppo setting, set whole
+DICTS = {"data.apply_chat_template_kwargs": "data.apply_chat_template_kwargs"}
+# apply_chat_template's own arguments, which refppo's rendering sets (refppo.rollout.prompts)
+APPLY_CHAT_TEMPLATE_OWN = (
+    "conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+    "max_length", "continue_final_message", "chat_template", "tools", "documents", "tokenizer_kwargs",
+)  # fmt: skip
 # the values that turn a feature off: a NOT_IMPLEMENTED key given one of them is accepted with a note
 OFF = ("null", "false", "0", "[]", "{}", "", "disabled")
 # verl features outside refppo's scope or not there yet, whatever their value: refused, naming
@@ -121,7 +136,6 @@ NOT_IMPLEMENTED = {
     "--config-path": "Hydra's configuration files (give key=value settings)",
     "--config-name": "Hydra's configuration files (give key=value settings)",
     "hydra.": "Hydra's configuration files (give key=value settings)",
-    "data.apply_chat_template_kwargs.": "keyword arguments to the chat template",
     "trainer.resume_from_path": "resuming from another folder's checkpoint (trainer.resume=true continues "
     "trainer.output_dir)",
     "actor_rollout_ref.model.lora_adapter_path": "starting from a saved LoRA adapter",
@@ -137,7 +151,6 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.actor.freeze_vision_tower": "vision-language models",
     "data.tokenizer": "a tokenizer other than the model's",
     "data.seed": "a prompt order seeded apart from trainer.seed",
-    "data.apply_chat_template_kwargs": "keyword arguments to the chat template",
     "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn and tool-calling rollouts",
     **{
         f"{role}.{k}": f"{what} (null: the model's own)"
@@ -262,8 +275,6 @@ MISSING = {
     "data.reward_fn_key": ("data_source", "choosing the rule by another column"),
     "data.gen_batch_size": ("null", "a generation batch other than data.train_batch_size"),
     "trainer.val_only": ("false", "validation-only runs"),
-    "actor_rollout_ref.model.trust_remote_code": ("false", "models with their own code (trust_remote_code)"),
-    "data.trust_remote_code": ("false", "tokenizers with their own code (trust_remote_code)"),
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": (
         "false",
         "replaying the rollout's MoE routing in training",
@@ -274,8 +285,6 @@ MISSING = {
     ),
     "actor_rollout_ref.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
     "critic.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
-    "critic.model.trust_remote_code": ("false", "models with their own code (trust_remote_code)"),
-    "reward_model.model.trust_remote_code": ("null", "models with their own code (trust_remote_code)"),
     **{
         f"{opt}.{k}": (off, what)
         for opt in ("actor_rollout_ref.actor.optim", "critic.optim")
@@ -411,10 +420,13 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     notes = []
     lengths = {}
     critic_enable = None
+    dicts: dict[str, dict] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip().lstrip("+")  # Hydra's "+key=value" adds a key verl's config lacks
         full = full_path(key)
+        if _dict_entry(full, sep, text, dicts):
+            continue
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
         missing = [
@@ -457,6 +469,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         value = VALUES.get((name, _plain(text)), text) if sep else text
         out.append(f"{name}{sep}{value}")
     out += _rollout_lengths(lengths, out, notes)
+    out += [f"{name}={json.dumps(entries)}" for name, entries in dicts.items()]
     if critic_enable is not None:
         _critic_enable(critic_enable, out, notes)
     out = _sequence_parallel_budgets(out, overrides, notes)
@@ -464,6 +477,63 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
         out.append("data.task=file")
     return out, notes
+
+
+def _hydra_scalar(text: str):
+    """A value as Hydra reads it: true/false, null, an int, a float, else the text (unquoted)."""
+    plain = text.strip()
+    if len(plain) >= 2 and plain[0] == plain[-1] and plain[0] in "'\"":
+        return plain[1:-1]
+    if plain.lower() in ("true", "false"):
+        return plain.lower() == "true"
+    if plain.lower() in ("null", "none"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(plain)
+        except ValueError:
+            pass
+    return plain
+
+
+def _dict_entry(full: str, sep: str, text: str, dicts: dict[str, dict]) -> bool:
+    """Whether ``full=text`` sets a :data:`DICTS` setting or one of its keys; its entries then go
+    to ``dicts`` (refppo's key -> the entries given so far). A whole dict is ``{}`` or JSON (as
+    :func:`translate` writes it); its keys are given one by one, as verl's example lines do."""
+    name = next((k for k in DICTS if full == k or full.startswith(k + ".")), None)
+    if name is None or not sep:
+        return False
+    entries = dicts.setdefault(DICTS[name], {})
+    keyword = full[len(name) + 1 :]
+    whole = None
+    if full == name:
+        with contextlib.suppress(ValueError):
+            whole = json.loads(text)
+    if isinstance(whole, dict):
+        entries.clear()
+        for keyword, value in whole.items():
+            _check_keyword(name, keyword, text)
+            entries[keyword] = value
+        return True
+    if full == name:
+        raise ValueError(
+            f"{full}={text}: give each keyword as {name}.<name>=<value> (e.g. +{name}.enable_thinking=false)"
+        )
+    _check_keyword(name, keyword, text)
+    entries[keyword] = _hydra_scalar(text)
+    return True
+
+
+def _check_keyword(name: str, keyword: str, text: str) -> None:
+    """Refuse a keyword of the dict setting ``name`` that is no variable name, or that is one of
+    apply_chat_template's own arguments (:data:`APPLY_CHAT_TEMPLATE_OWN`)."""
+    if not keyword.isidentifier():
+        raise ValueError(f"{name}.{keyword}={text}: {keyword!r} is not a keyword argument's name")
+    if keyword in APPLY_CHAT_TEMPLATE_OWN:
+        raise ValueError(
+            f"{name}.{keyword}={text}: {keyword} is apply_chat_template's own argument, which refppo sets (prompts "
+            "are rendered as text with the assistant's turn opened); give only the chat template's variables"
+        )
 
 
 def _rollout_lengths(lengths: dict[str, tuple[str, str]], out: list[str], notes: list[str]) -> list[str]:

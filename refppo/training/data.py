@@ -126,7 +126,12 @@ def _plain(value):
 
 
 def load_records(
-    path: str, prompt_key: str, tokenizer=None, max_prompt_length: int | None = None, drop_overlong: bool = False
+    path: str,
+    prompt_key: str,
+    tokenizer=None,
+    max_prompt_length: int | None = None,
+    drop_overlong: bool = False,
+    chat_template_kwargs: dict | None = None,
 ) -> list[dict]:
     """Prompt records from a JSONL or Parquet file (:func:`read_records`); each needs a
     ``prompt_key`` that holds a text, or a chat (a list of ``{"role", "content"}`` messages, as in
@@ -138,7 +143,8 @@ def load_records(
     neither a text nor a chat, and, given ``tokenizer``, a chat it has no template for or that its
     template refuses (a role it does not know) and, given ``max_prompt_length`` too, a prompt with
     more tokens than that (``data.truncation=error``), which ``drop_overlong`` drops instead
-    (``data.filter_overlong_prompts``).
+    (``data.filter_overlong_prompts``); chats are rendered with ``chat_template_kwargs``
+    (``data.apply_chat_template_kwargs``), as the trainer renders them.
     """
     located = read_records(path)
     for where, rec in located:
@@ -147,7 +153,8 @@ def load_records(
         if (problem := prompt_problem(rec[prompt_key], tokenizer)) is not None:
             raise ValueError(f"{where}: the record's {prompt_key!r} {problem} (data.prompt_key)")
     if tokenizer is not None:  # renders every chat, so a template's refusal is named here
-        ids = encode_prompts(tokenizer, [rec[prompt_key] for _, rec in located], [where for where, _ in located])
+        prompts, names = [rec[prompt_key] for _, rec in located], [where for where, _ in located]
+        ids = encode_prompts(tokenizer, prompts, names, chat_template_kwargs)
         kept = []
         for (where, rec), length in zip(located, map(len, ids)):
             if max_prompt_length is None or length <= max_prompt_length:
@@ -195,7 +202,10 @@ def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], o
     limit = d.max_prompt_length if d.truncation == "error" or d.filter_overlong_prompts else None
 
     def load(paths: tuple[str, ...]) -> list[dict]:
-        return [r for p in paths for r in load_records(p, d.prompt_key, tokenizer, limit, d.filter_overlong_prompts)]
+        kwargs = d.apply_chat_template_kwargs
+        return [
+            r for p in paths for r in load_records(p, d.prompt_key, tokenizer, limit, d.filter_overlong_prompts, kwargs)
+        ]
 
     train = load(d.train_files)
     val = load(d.val_files) if d.val_files else train[: d.val_size]

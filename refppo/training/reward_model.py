@@ -46,6 +46,7 @@ def train_reward_model(
     log=None,
     progress_bar: bool = False,
     world: World = SINGLE,
+    chat_template_kwargs: dict | None = None,
 ) -> list[dict[str, float]]:
     """Train a scalar-head model on (prompt, chosen, rejected) texts with AdamW.
 
@@ -58,6 +59,8 @@ def train_reward_model(
         log: optional ``log(step, metrics)``.
         progress_bar: show a tqdm bar with the loss and the accuracy.
         world: the processes (each takes its share of every batch).
+        chat_template_kwargs: keyword arguments to the chat template of chat prompts
+            (``data.apply_chat_template_kwargs``).
 
     Returns:
         Per-step ``{"rm/loss", "rm/accuracy", "rm/lr"}``.
@@ -69,7 +72,8 @@ def train_reward_model(
     def step_loss(batch):
         prompts, chosen, rejected = zip(*batch)
         # One forward pass over chosen and rejected together.
-        scores = response_scores(reward_model, build_batch(tokenizer, prompts * 2, chosen + rejected))
+        pairs = build_batch(tokenizer, prompts * 2, chosen + rejected, chat_template_kwargs=chat_template_kwargs)
+        scores = response_scores(reward_model, pairs)
         loss, acc = bradley_terry_loss(scores[: len(batch)], scores[len(batch) :])
         return loss, {"rm/loss": loss.detach(), "rm/accuracy": acc}, torch.tensor(float(len(batch)), device=loss.device)
 
@@ -79,7 +83,9 @@ def train_reward_model(
 
 
 @torch.no_grad()
-def held_out_comparisons(reward_model, tokenizer, comparisons: list[tuple], batch_size: int = 64) -> dict[str, float]:
+def held_out_comparisons(
+    reward_model, tokenizer, comparisons: list[tuple], batch_size: int = 64, chat_template_kwargs: dict | None = None
+) -> dict[str, float]:
     """How a reward model ranks comparisons it did not train on: ``val/accuracy``, the share whose
     chosen response scores higher, and ``val/margin``, the mean of score(chosen) - score(rejected).
 
@@ -88,6 +94,8 @@ def held_out_comparisons(reward_model, tokenizer, comparisons: list[tuple], batc
         tokenizer: its tokenizer.
         comparisons: (prompt, chosen, rejected) triples, the prompt a text or a chat.
         batch_size: comparisons per forward pass.
+        chat_template_kwargs: keyword arguments to the chat template of chat prompts
+            (``data.apply_chat_template_kwargs``).
     """
     if not comparisons:
         raise ValueError("no held-out comparisons")
@@ -96,15 +104,20 @@ def held_out_comparisons(reward_model, tokenizer, comparisons: list[tuple], batc
         chunk = comparisons[start : start + batch_size]
         prompts = [prompt for prompt, _, _ in chunk]
         responses = [chosen for _, chosen, _ in chunk] + [rejected for _, _, rejected in chunk]
-        scores = compute_scores(reward_model, build_batch(tokenizer, prompts * 2, responses))
+        batch = build_batch(tokenizer, prompts * 2, responses, chat_template_kwargs=chat_template_kwargs)
+        scores = compute_scores(reward_model, batch)
         margins.append(scores[: len(chunk)] - scores[len(chunk) :])
     margin = torch.cat(margins)
     return {"val/accuracy": float((margin > 0).float().mean()), "val/margin": float(margin.mean())}
 
 
 @torch.no_grad()
-def center_reward_model(reward_model, tokenizer, prompts: list[str], responses: list[str]) -> float:
-    """Shift the head's bias so these (SFT) samples score 0 on average; returns the shift."""
-    mean = compute_scores(reward_model, build_batch(tokenizer, prompts, responses)).mean().item()
+def center_reward_model(
+    reward_model, tokenizer, prompts: list[str], responses: list[str], chat_template_kwargs: dict | None = None
+) -> float:
+    """Shift the head's bias so these (SFT) samples score 0 on average (chat prompts rendered with
+    ``chat_template_kwargs``); returns the shift."""
+    batch = build_batch(tokenizer, prompts, responses, chat_template_kwargs=chat_template_kwargs)
+    mean = compute_scores(reward_model, batch).mean().item()
     value_head(reward_model).bias.sub_(mean)
     return -mean

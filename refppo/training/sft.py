@@ -49,6 +49,7 @@ def train_sft(
     progress_bar: bool = False,
     log_probs_fn: LogProbsFn = response_log_probs,
     world: World = SINGLE,
+    chat_template_kwargs: dict | None = None,
 ) -> list[dict[str, float]]:
     """Train ``model`` on (prompt, response) pairs with AdamW and a cosine schedule.
 
@@ -64,6 +65,8 @@ def train_sft(
         progress_bar: show a tqdm bar with the loss.
         log_probs_fn: as in :func:`sft_loss`.
         world: the processes (each trains on its share of every batch: :func:`train_steps`).
+        chat_template_kwargs: keyword arguments to the chat template of chat prompts
+            (``data.apply_chat_template_kwargs``).
 
     Returns:
         Per-step metrics ``{"sft/loss", "sft/lr"}``.
@@ -75,7 +78,7 @@ def train_sft(
 
     def step_loss(batch):
         prompts, responses = zip(*batch)
-        rollout = build_batch(tokenizer, prompts, responses)
+        rollout = build_batch(tokenizer, prompts, responses, chat_template_kwargs=chat_template_kwargs)
         loss = sft_loss(model, rollout, log_probs_fn)
         return loss, {"sft/loss": loss.detach()}, rollout["response_mask"].sum()
 
@@ -143,7 +146,12 @@ def train_steps(
 
 @torch.no_grad()
 def held_out_loss(
-    model, tokenizer, examples: list[tuple], batch_size: int = 64, log_probs_fn: LogProbsFn = response_log_probs
+    model,
+    tokenizer,
+    examples: list[tuple],
+    batch_size: int = 64,
+    log_probs_fn: LogProbsFn = response_log_probs,
+    chat_template_kwargs: dict | None = None,
 ) -> float:
     """SFT's loss on demonstrations it did not train on: the mean negative log-likelihood of all
     their response tokens (EOS included), ``val/loss``.
@@ -154,6 +162,8 @@ def held_out_loss(
         examples: (prompt, response) pairs, the prompt a text or a chat.
         batch_size: examples per forward pass.
         log_probs_fn: as in :func:`sft_loss`.
+        chat_template_kwargs: keyword arguments to the chat template of chat prompts
+            (``data.apply_chat_template_kwargs``).
     """
     if not examples:
         raise ValueError("no held-out examples")
@@ -162,7 +172,7 @@ def held_out_loss(
     for start in range(0, len(examples), batch_size):
         prompts = [prompt for prompt, _ in examples[start : start + batch_size]]
         responses = [response for _, response in examples[start : start + batch_size]]
-        batch = build_batch(tokenizer, prompts, responses)
+        batch = build_batch(tokenizer, prompts, responses, chat_template_kwargs=chat_template_kwargs)
         log_probs, _ = log_probs_fn(model, batch, 1.0, False)
         mask = batch["response_mask"].to(log_probs.device)
         nll -= float((log_probs * mask).sum())

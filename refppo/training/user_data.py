@@ -210,7 +210,8 @@ def _within_limits(path: str, found: list, tokenizer, data) -> list:
     """The items whose prompt fits ``data.max_prompt_length`` tokens and whose responses, with
     EOS, fit ``data.max_response_length``: the others are refused, naming the first, or dropped
     with ``data.filter_overlong_prompts``. Each item is (where, prompt, responses, record)."""
-    prompt_lengths = map(len, encode_prompts(tokenizer, [item[1] for item in found], [item[0] for item in found]))
+    prompts, names = [item[1] for item in found], [item[0] for item in found]
+    prompt_lengths = map(len, encode_prompts(tokenizer, prompts, names, data.apply_chat_template_kwargs))
     kept = []
     for item, prompt_length in zip(found, prompt_lengths):
         where, _, responses, _ = item
