@@ -23,7 +23,7 @@ GROUPS = ["rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4
 
 
 def _evaluated(trainer):
-    """One step's evaluated batch and the extra scores it was scored with."""
+    """One step's evaluated batch, the extra scores it was scored with, and its metrics."""
     seen = {}
     evaluate = trainer.evaluate
 
@@ -34,8 +34,8 @@ def _evaluated(trainer):
         return stats
 
     trainer.evaluate = recording
-    trainer.train_step()
-    return seen["batch"], seen["extras"]
+    metrics = trainer.train_step()
+    return seen["batch"], seen["extras"], metrics
 
 
 def length_reward(prompts, responses, records):
@@ -69,7 +69,7 @@ def test_the_optimal_token_baseline_reads_the_actors_sum_of_squared_probabilitie
         return evaluate(batch, scores, extras, timing)
 
     trainer.evaluate = before_update
-    batch, _ = _evaluated(trainer)
+    batch, _, _ = _evaluated(trainer)
     assert any(not torch.equal(actor_before[k], v) for k, v in trainer.actor.state_dict().items())
     mask = batch["response_mask"]
     # float32 logits, softmax and log-sum-exp against float64: a few roundings of values <= 1
@@ -100,7 +100,7 @@ def test_gdpo_normalises_the_reward_functions_components_one_by_one(weights):
     if weights:
         settings.append(f"algorithm.gdpo_reward_weights={weights}")
     trainer = make_trainer(settings, reward_fn=components)
-    batch, extras = _evaluated(trainer)
+    batch, extras, metrics = _evaluated(trainer)
     assert set(extras) >= {"length_reward", "seven_reward"}
     config = ConfigView(vars(trainer.config.algorithm))
     advantages, _ = compute_gdpo_outcome_advantage(
@@ -113,6 +113,11 @@ def test_gdpo_normalises_the_reward_functions_components_one_by_one(weights):
     )
     assert torch.equal(batch["advantages"], advantages)
     assert bool((advantages != 0).any()), "a vacuous check: every advantage 0"
+    for key in ("length_reward", "seven_reward"):  # verl's gdpo/<key>/*, numpy's population std
+        values = extras[key].double().numpy()
+        assert metrics[f"gdpo/{key}/std"] == pytest.approx(values.std(), rel=1e-6)
+        assert metrics[f"gdpo/{key}/mean"] == pytest.approx(values.mean(), rel=1e-6)
+        assert (metrics[f"gdpo/{key}/max"], metrics[f"gdpo/{key}/min"]) == (values.max(), values.min())
 
 
 @pytest.mark.parametrize(

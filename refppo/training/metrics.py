@@ -58,6 +58,27 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor, response_mas
     return 1.0 - masked_var(returns - values, response_mask) / (masked_var(returns, response_mask) + 1e-5)
 
 
+def gdpo_metrics(components: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """verl 0.9's ``gdpo/<key>/{mean,std,max,min}`` of each component GDPO normalises (``fit`` in
+    ``verl/trainer/ppo/ray_trainer.py``: numpy's, so the std divides by n).
+
+    Args:
+        components: name -> (B,) the reward function's values.
+        keys: ``algorithm.gdpo_reward_keys``.
+
+    Returns:
+        Scalar tensors.
+    """
+    out = {}
+    for key in keys:
+        values = components[key].float()
+        out[f"gdpo/{key}/mean"] = values.mean()
+        out[f"gdpo/{key}/std"] = values.std(correction=0)
+        out[f"gdpo/{key}/max"] = values.max()
+        out[f"gdpo/{key}/min"] = values.min()
+    return out
+
+
 def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: bool) -> dict[str, torch.Tensor]:
     """verl's ``compute_data_metrics`` and ``calculate_debug_metrics`` of an evaluated batch.
 

@@ -80,7 +80,7 @@ from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
 from refppo.training.data import EpochSampler
 from refppo.training.dynamic_sampling import DynamicSampling
-from refppo.training.metrics import data_metrics, gather, peak_memory_gb, throughput_metrics, timer
+from refppo.training.metrics import data_metrics, gather, gdpo_metrics, peak_memory_gb, throughput_metrics, timer
 from refppo.training.optim import make_optimizer
 from refppo.training.reward_fns import RewardFn, check_scores, describe, split_reward_result
 from refppo.training.update import Learner, LossTerm, UpdateSettings, minibatch_updates
@@ -351,6 +351,8 @@ class PPOTrainer:
         scores, extras, entropy = distributed.gather_evaluated(batch, scores, extras, entropy, pad, self.world)
         mask = batch["response_mask"]  # the sampled tokens, before rollout correction rejects any
         stats = {f"reward/{name}/mean": v.mean() for name, v in extras.items()}
+        if c.algorithm.adv_estimator == "gdpo":
+            stats |= gdpo_metrics(extras, c.algorithm.gdpo_reward_keys)
         with timer(timing, "adv", self.device):
             # 5. token-level rewards (with the KL in the reward), then rollout correction
             stats |= self.token_level_rewards(batch, scores)
