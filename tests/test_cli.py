@@ -117,6 +117,61 @@ def test_a_lora_run_saves_a_merged_actor_the_next_stage_loads(sft_run, tmp_path)
     assert main(["ppo", f"model.path={out}/actor", f"trainer.output_dir={tmp_path / 'next'}", *QUICK_PPO]) == 0
 
 
+def _saved_adapter(model_folder, folder, rank=4):
+    """A LoRA adapter of ``model_folder``'s model with non-zero weights, saved as peft saves one."""
+    from refppo.rollout.models import add_lora, load_causal_lm
+
+    torch.manual_seed(5)
+    adapted = add_lora(load_causal_lm(model_folder), r=rank)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0: the adapter would be the identity
+                param.normal_(0.0, 0.05)
+    adapted.save_pretrained(folder)
+    return adapted
+
+
+def test_ppo_starts_from_a_saved_lora_adapter(sft_run, tmp_path):
+    """verl's actor_rollout_ref.model.lora_adapter_path: the actor is model.path under the saved
+    adapter, trainable; the reference is model.path itself (the adapter disabled, verl's
+    ref_in_actor); the run saves the trained adapter and the merged model."""
+    from refppo.rollout.models import load_causal_lm, load_lora_adapter, make_reference
+
+    adapter = tmp_path / "adapter"
+    saved = _saved_adapter(sft_run / "model", adapter)
+    base = load_causal_lm(sft_run / "model")
+    actor = load_lora_adapter(load_causal_lm(sft_run / "model"), str(adapter))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(actor(ids).logits, saved.eval()(ids).logits)
+        assert not torch.equal(actor(ids).logits, base(ids).logits), "a vacuous check: the adapter changes nothing"
+        assert torch.equal(make_reference(actor)(ids).logits, base(ids).logits)
+    assert any(p.requires_grad for n, p in actor.named_parameters() if "lora_" in n)
+    out = tmp_path / "ppo"
+    args = ["ppo", f"model.path={sft_run}/model", f"model.lora_adapter_path={adapter}", f"trainer.output_dir={out}"]
+    assert main([*args, "actor.optim.lr=1e-2", *QUICK_PPO]) == 0
+    assert (out / "actor_adapter" / "adapter_config.json").exists() and (out / "actor" / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: None, "no adapter_config.json there"),
+        (lambda d: (d / "adapter_config.json").write_text('{"peft_type": "PREFIX_TUNING"}'), "a PREFIX_TUNING adapter"),
+        (lambda d: (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}'), "no adapter weights"),
+    ],
+)
+def test_a_folder_that_is_not_a_lora_adapter_is_refused_before_any_work(sft_run, tmp_path, make, message):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    make(adapter)
+    out = tmp_path / "ppo"
+    args = ["ppo", f"model.path={sft_run}/model", f"model.lora_adapter_path={adapter}", f"trainer.output_dir={out}"]
+    with pytest.raises(ValueError, match=message):
+        main([*args, *QUICK_PPO])
+    assert not out.exists(), "nothing written before the check"
+
+
 def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20)))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from test_verl_names import _gsm8k_files, chat_model  # noqa: F401  (a fixture)
 
+from refppo.rollout.models import add_lora, load_causal_lm
 from refppo.runs.cli import main
 from refppo.settings.overrides import command_settings
 from refppo.settings.validate import read_settings
@@ -117,6 +118,8 @@ def _for_a_cpu(settings: list[str], models: tuple[Path, Path], data: Path, out: 
             value = str(data / "test.parquet")
         elif key.endswith("custom_reward_function.path"):
             value = str(data / "reward.py")
+        elif key.endswith("lora_adapter_path"):
+            value = str(data / "adapter")
         elif key == "actor_rollout_ref.rollout.n":
             value = str(min(int(value), 4))
         elif key in SMALL:
@@ -149,6 +152,8 @@ def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model
     _gsm8k_files(tmp_path, ("train", "test"), 16)
     (tmp_path / "reward.py").write_text(STAND_IN_REWARD)
     settings = next(line["settings"] for line in EXAMPLES if line["script"] == script)
+    if any("lora_adapter_path" in item for item in settings):  # a saved adapter of the tiny model
+        add_lora(load_causal_lm(chat_model), r=4).save_pretrained(tmp_path / "adapter")
     out = tmp_path / "run"
     assert main(["ppo", *_for_a_cpu(settings, (chat_model, reward_model), tmp_path, out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -154,6 +154,31 @@ def check_lora_rank(rank: int, spec: dict, path: str | os.PathLike) -> None:
         )
 
 
+def check_lora_adapter(adapter_path: str | os.PathLike, spec: dict, path: str | os.PathLike) -> None:
+    """Refuse ``model.lora_adapter_path`` unless it is a saved peft LoRA adapter (its
+    ``adapter_config.json`` of peft_type LORA and its weights) whose rank fits the hidden size in
+    ``spec`` (``path``'s ``config.json``)."""
+    key = "model.lora_adapter_path"
+    folder = os.fspath(adapter_path)
+    config_file = os.path.join(folder, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{key}={folder}: no adapter_config.json there (a folder peft's save_pretrained wrote)")
+    try:
+        with open(config_file) as f:
+            adapter = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{key}={folder}: adapter_config.json is not readable JSON ({error})") from None
+    if adapter.get("peft_type") != "LORA":
+        raise ValueError(f"{key}={folder}: a {adapter.get('peft_type')} adapter; refppo starts from LoRA adapters only")
+    weights = ("adapter_model.safetensors", "adapter_model.bin")
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in weights):
+        raise ValueError(f"{key}={folder}: no adapter weights ({' or '.join(weights)})")
+    hidden = spec.get("hidden_size")
+    rank = adapter.get("r")
+    if isinstance(hidden, int) and isinstance(rank, int) and rank > hidden:
+        raise ValueError(f"{key}={folder}: its rank {rank} is above the hidden size {hidden} of {os.fspath(path)}")
+
+
 def check_vocabulary(tokenizer, embeddings: int, key: str, path: str | os.PathLike) -> None:
     """Refuse a tokenizer with more tokens than the model has embedding rows, beyond the one pad
     token :func:`refppo.rollout.models.prepare_tokenizer` may add (the rest would be random rows).

@@ -300,6 +300,27 @@ def add_lora(model: PreTrainedModel, r: int = 8, lora_alpha: int = 16, target_mo
     return get_peft_model(model, config)
 
 
+def load_lora_adapter(model: PreTrainedModel, path: str):
+    """A causal LM under a saved peft LoRA adapter, trainable (verl 0.9's ``lora_adapter_path``:
+    ``PeftModel.from_pretrained(..., is_trainable=True)`` in ``FSDPEngine._build_lora_module``),
+    with its dropout off as every refppo model's.
+
+    Args:
+        model: the base model the adapter was trained on, from :func:`load_causal_lm`.
+        path: the adapter's folder (``adapter_config.json`` and its weights).
+
+    Returns:
+        A ``peft.PeftModel``; its adapter-disabled self is ``model``.
+    """
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(model, path, is_trainable=True)
+    for module in adapted.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return adapted
+
+
 class LoraDisabledReference:
     """The reference policy of a LoRA actor: the actor itself with its adapter switched off.
 

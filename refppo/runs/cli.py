@@ -29,6 +29,7 @@ from refppo.advantages import needs_critic
 from refppo.distributed import World, broadcast, check_world, full_state_dict, launched_world, shard, start, stop
 from refppo.guards.memory import SYNTHETIC_RECORD_BYTES
 from refppo.guards.model_folder import (
+    check_lora_adapter,
     check_lora_rank,
     check_model_folder,
     check_remote_code,
@@ -158,6 +159,8 @@ def checked_tokenizer(config: Config, command: str):
         check_remote_code(specs[key], key, path, trust_key, trusted, auto_class)
     if command == "ppo" and config.model.path is not None:
         check_lora_rank(config.model.lora_rank, specs["model.path"], config.model.path)
+        if config.model.lora_adapter_path is not None:
+            check_lora_adapter(config.model.lora_adapter_path, specs["model.path"], config.model.path)
     tokenizer = _tokenizer(config.model.path, "model.path", "model.trust_remote_code", config.model.trust_remote_code)
     trust = {"critic.model.path": config.critic.model, "reward_model.model.path": config.reward_model.model}
     for key, path in folders:
@@ -362,7 +365,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
-    from refppo.rollout.models import add_lora, freeze, load_causal_lm, load_value_model
+    from refppo.rollout.models import add_lora, freeze, is_lora, load_causal_lm, load_lora_adapter, load_value_model
     from refppo.tasks.rules import require_rules
     from refppo.training.fit import fit
     from refppo.training.reward_fns import load_reward_fn, load_verl_reward_fn
@@ -378,7 +381,9 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     validate(config, "ppo")
     torch.manual_seed(config.trainer.seed)
     actor = load_causal_lm(config.model.path, tokenizer, device, trust_remote_code=config.model.trust_remote_code)
-    if config.model.lora_rank > 0:
+    if config.model.lora_adapter_path is not None:
+        actor = load_lora_adapter(actor, config.model.lora_adapter_path)
+    elif config.model.lora_rank > 0:
         actor = add_lora(actor, config.model.lora_rank, config.model.lora_alpha)
     critic = None
     if needs_critic(config.algorithm.adv_estimator):
@@ -430,7 +435,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     if run.resume is not None:
         trainer.load_checkpoint(run.resume.folder, run.resume.state)
     fit(trainer, run, config.trainer.progress_bar)
-    if config.model.lora_rank > 0:  # the adapter, then the merged model the next stage loads as model.path
+    if is_lora(actor):  # the adapter, then the merged model the next stage loads as model.path
         _save_model(actor, tokenizer, run.path / "actor_adapter", world)
         actor = actor.merge_and_unload()
     _save_model(actor, tokenizer, run.path / "actor", world)

@@ -113,6 +113,10 @@ EVALUATING = when(
 )
 VAL_SAMPLING = when(lambda s: s.owner.do_sample, "rollout.val_kwargs.do_sample=true")
 LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
+NO_SAVED_ADAPTER = when(
+    lambda s: s.command != "ppo" or s.config.model.lora_adapter_path is None,
+    "model.lora_adapter_path=null (a saved adapter brings its own rank and scale)",
+)
 FILE_TASK = when(lambda s: s.config.data.task == "file", "data.task=file")
 ARITHMETIC = when(lambda s: s.config.data.task == "arithmetic", "data.task=arithmetic")
 PREFERENCE = when(lambda s: s.config.data.task == "preference", "data.task=preference")

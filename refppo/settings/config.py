@@ -49,6 +49,7 @@ from refppo.settings.conditions import (
     LOSS_TAKES,
     MODEL_FOLDER,
     NO_ENTROPY_BONUS,
+    NO_SAVED_ADAPTER,
     NOT_BYPASSING,
     OLD_LOG_PROB_PASS,
     ONE_CLIP_BOUND_UNSET,
@@ -163,8 +164,11 @@ class ModelConfig:
     num_attention_heads: int = setting(4, COUNT, **TINY_MODEL)
     num_key_value_heads: int = setting(2, COUNT, **TINY_MODEL)
     # > 0 trains a LoRA adapter; the reference is then the adapter-disabled actor
-    lora_rank: int = setting(0, NONNEG, unread_because="it trains every weight")
-    lora_alpha: int = setting(16, POSITIVE, needs=LORA, unread_because="it trains every weight")
+    lora_rank: int = setting(0, NONNEG, needs=NO_SAVED_ADAPTER, unread_because="it trains every weight")
+    lora_alpha: int = setting(16, POSITIVE, needs=(LORA, NO_SAVED_ADAPTER), unread_because="it trains every weight")
+    # a saved peft LoRA adapter of model.path to start from (its rank and scale are its own); the
+    # reference is still the adapter-disabled actor, model.path itself (verl's ref_in_actor)
+    lora_adapter_path: str | None = setting(None, commands=("ppo",))
     # SFT's and PPO's log-probs from the final hidden states, the LM head fused into the log-softmax
     # a block at a time: no (rows, response, vocab) logits (verl's name; memory for big vocabularies).
     use_fused_kernels: bool = setting(

@@ -69,6 +69,8 @@ ADDED = {
 # verl keys its code does not read here: added with "+" by its example lines and never read, or
 # read only with a feature refppo refuses (so unread on any line refppo accepts): dropped with a note
 UNREAD_BY_VERL = {
+    # verl's _load_checkpoint reads it only with resume_mode=resume_path, which refppo refuses
+    "trainer.resume_from_path": "read only with trainer.resume_mode=resume_path",
     "actor_rollout_ref.actor.policy_loss.tau_pos": "verl's SAPO loss reads actor.tau_pos",
     "actor_rollout_ref.actor.policy_loss.tau_neg": "verl's SAPO loss reads actor.tau_neg",
     **{f"algorithm.pf_ppo.{k}": "read only with algorithm.use_pf_ppo=true" for k in ("reweight_method", "weight_pow")},
@@ -136,9 +138,6 @@ NOT_IMPLEMENTED = {
     "--config-path": "Hydra's configuration files (give key=value settings)",
     "--config-name": "Hydra's configuration files (give key=value settings)",
     "hydra.": "Hydra's configuration files (give key=value settings)",
-    "trainer.resume_from_path": "resuming from another folder's checkpoint (trainer.resume=true continues "
-    "trainer.output_dir)",
-    "actor_rollout_ref.model.lora_adapter_path": "starting from a saved LoRA adapter",
     "actor@actor_rollout_ref.actor": "Hydra's configuration files (give key=value settings)",
     "actor_rollout_ref.model.mtp.": "multi-token prediction",
     "actor_rollout_ref.model.override_config.": "overriding the model's own config",
