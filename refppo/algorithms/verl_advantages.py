@@ -455,6 +455,40 @@ def _unique_longest(lengths: torch.Tensor, members: torch.Tensor, ids: torch.Ten
     return is_longest & (at_longest == 1), second.clamp(min=0)
 
 
+def _token_baselines(
+    returns: torch.Tensor,
+    weights: torch.Tensor,
+    lengths: torch.Tensor,
+    counted: torch.Tensor,
+    ids: torch.Tensor,
+    n_groups: int,
+    handle_zero_tail: bool,
+    epsilon: float,
+) -> torch.Tensor:
+    """The optimal token baselines' B_t = sum_i G_it W_it / (sum_i W_it + epsilon) over each
+    group's rows, each position apart; 0 for a group of one counted row; with ``handle_zero_tail``,
+    0 on a group's unique longest row from the next longest's length on.
+
+    Args:
+        returns, weights: (batch, T) G and W, W 0 where a row has no token.
+        lengths: (batch,) each row's count of valid tokens.
+        counted: (batch,) bool, the rows a group's size counts.
+        ids, n_groups: each row's group, and the number of groups.
+        handle_zero_tail, epsilon: as the estimators take them.
+
+    Returns:
+        (batch, T) baselines.
+    """
+    size = _group_sum(counted.to(weights.dtype), ids, n_groups)[ids]
+    b_star = _group_sum(returns * weights, ids, n_groups) / (_group_sum(weights, ids, n_groups) + epsilon)
+    baselines = torch.where((size > 1)[:, None], b_star[ids], torch.zeros_like(weights))
+    if handle_zero_tail:
+        cut, second = _unique_longest(lengths, counted & (size > 1), ids, n_groups)
+        positions = torch.arange(weights.shape[1], device=weights.device)
+        baselines = torch.where(cut[:, None] & (positions[None, :] >= second[:, None]), 0.0, baselines)
+    return baselines
+
+
 @register_adv_est("optimal_token_baseline", reads=())
 @torch.no_grad()
 @checks_once
@@ -508,14 +542,10 @@ def compute_optimal_token_baseline_advantage(
         handle_zero_tail,
         epsilon,
     )
-    numerator = _group_sum(returns * w_cumulative * m, ids, n_groups)
-    denominator = _group_sum(w_cumulative * m, ids, n_groups) + epsilon
-    size = _group_sum(torch.ones_like(m[:, 0]), ids, n_groups)[ids]
-    baselines = torch.where((size > 1)[:, None], (numerator / denominator)[ids], torch.zeros_like(m))
-    if handle_zero_tail:
-        cut, second = _unique_longest(m.sum(-1), size > 1, ids, n_groups)
-        positions = torch.arange(m.shape[1], device=m.device)
-        baselines = torch.where(cut[:, None] & (positions[None, :] >= second[:, None]), 0.0, baselines)
+    every_row = torch.ones_like(m[:, 0], dtype=torch.bool)
+    baselines = _token_baselines(
+        returns, w_cumulative * m, m.sum(-1), every_row, ids, n_groups, handle_zero_tail, epsilon
+    )
     return (returns - baselines) * m, returns
 
 
@@ -580,15 +610,11 @@ def compute_multi_turn_optimal_token_baseline_advantage(
         out = torch.zeros(batch, width + 1, dtype=m.dtype, device=m.device)
         return out.scatter_add_(1, column, torch.where(valid, values, zero))[:, :width]
 
-    packed_returns, packed_w = packed(returns), packed(w_cumulative)
+    packed_returns = packed(returns)
+    packed_w = packed(w_cumulative)
     lengths = m.sum(-1)
-    nonempty = lengths > 0
-    size = _group_sum(nonempty.to(m.dtype), ids, n_groups)[ids]
-    b_star = _group_sum(packed_returns * packed_w, ids, n_groups) / (_group_sum(packed_w, ids, n_groups) + epsilon)
-    baselines = torch.where((size > 1)[:, None], b_star[ids], torch.zeros_like(packed_w))
-    if handle_zero_tail:
-        cut, second = _unique_longest(lengths, nonempty & (size > 1), ids, n_groups)
-        positions = torch.arange(width, device=m.device)
-        baselines = torch.where(cut[:, None] & (positions[None, :] >= second[:, None]), 0.0, baselines)
+    baselines = _token_baselines(
+        packed_returns, packed_w, lengths, lengths > 0, ids, n_groups, handle_zero_tail, epsilon
+    )
     advantages = (packed_returns - baselines).gather(1, k)
     return torch.where(valid, advantages, zero), returns
