@@ -202,25 +202,10 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
     ``model.path``; ``make_run()`` creates the run folder, called only after every check has
     passed; ``world`` and ``device``: the processes and this one's device."""
     from refppo.accel import select
-    from refppo.accel.checkpointing import enable_gradient_checkpointing
-    from refppo.accel.logprobs import check_fused_kernels
-    from refppo.rollout.models import load_causal_lm, tiny_config
     from refppo.training.sft import held_out_loss, held_out_score, train_sft
 
     tokenizer = checked_tokenizer(config, "sft")
-    m = config.model
-    if m.path is None:
-        check_tiny_model_fits(config, len(tokenizer), device)
-    source = m.path or tiny_config(
-        tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
-    )
-    torch.manual_seed(config.trainer.seed)
-    model = load_causal_lm(source, tokenizer, device, trust_remote_code=m.trust_remote_code)
-    if m.use_fused_kernels:
-        check_fused_kernels(model, "SFT model")
-    if m.enable_gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    shard(model, world)
+    model = _sft_model(config, tokenizer, world, device)
     s = config.sft
     if config.data.task == "file":
         examples, held, score_held = _file_demonstrations(config, tokenizer, model.config, world, device)
@@ -262,6 +247,29 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         held_out["val/accuracy" if config.data.task == "file" else "val/score"] = score_held(model)
     if held_out:
         run.log(s.steps, held_out)
+
+
+def _sft_model(config: Config, tokenizer, world: World, device: torch.device):
+    """The model SFT trains: ``model.path``, or a fresh tiny model of ``model.arch`` and its sizes
+    (checked to fit first), with the speed options it asks for, sharded over the processes."""
+    from refppo.accel.checkpointing import enable_gradient_checkpointing
+    from refppo.accel.logprobs import check_fused_kernels
+    from refppo.rollout.models import load_causal_lm, tiny_config
+
+    m = config.model
+    if m.path is None:
+        check_tiny_model_fits(config, len(tokenizer), device)
+    source = m.path or tiny_config(
+        tokenizer, m.arch, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads
+    )
+    torch.manual_seed(config.trainer.seed)
+    model = load_causal_lm(source, tokenizer, device, trust_remote_code=m.trust_remote_code)
+    if m.use_fused_kernels:
+        check_fused_kernels(model, "SFT model")
+    if m.enable_gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    shard(model, world)
+    return model
 
 
 def _file_demonstrations(config: Config, tokenizer, model_config, world: World, device: torch.device):
@@ -365,10 +373,9 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
-    from refppo.rollout.models import add_lora, freeze, is_lora, load_causal_lm, load_lora_adapter, load_value_model
+    from refppo.rollout.models import freeze, is_lora, load_value_model
     from refppo.tasks.rules import require_rules
     from refppo.training.fit import fit
-    from refppo.training.reward_fns import load_reward_fn, load_verl_reward_fn
     from refppo.training.trainer import PPOTrainer
 
     if config.model.path is None:
@@ -380,38 +387,21 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     config.trainer.total_training_steps = total_steps(config, len(train))
     validate(config, "ppo")
     torch.manual_seed(config.trainer.seed)
-    actor = load_causal_lm(config.model.path, tokenizer, device, trust_remote_code=config.model.trust_remote_code)
-    if config.model.lora_adapter_path is not None:
-        actor = load_lora_adapter(actor, config.model.lora_adapter_path)
-    elif config.model.lora_rank > 0:
-        actor = add_lora(actor, config.model.lora_rank, config.model.lora_alpha)
+    actor = _ppo_actor(config, tokenizer, device)
     critic = None
     if needs_critic(config.algorithm.adv_estimator):
         critic_model = config.critic.model
         critic = load_value_model(
             critic_model.path or config.model.path, tokenizer, device, trust_remote_code=critic_model.trust_remote_code
         )
-    rm_cfg = config.reward_model
     reward_model = None
-    if rm_cfg.enable:
-        reward_model = freeze(
-            load_value_model(
-                rm_cfg.model.path,
-                tokenizer,
-                device,
-                require_head=True,
-                trust_remote_code=rm_cfg.model.trust_remote_code,
-            )
+    if config.reward_model.enable:
+        rm_model = config.reward_model.model
+        reward_model = load_value_model(
+            rm_model.path, tokenizer, device, require_head=True, trust_remote_code=rm_model.trust_remote_code
         )
-    reward_fn = task_reward
-    if rm_cfg.reward_fn:
-        reward_fn = load_reward_fn(rm_cfg.reward_fn)
-    elif rm_cfg.custom_reward_function.path:
-        custom = rm_cfg.custom_reward_function
-        # verl's GDPO reward manager hands the function the run's name (verl's rlla.py reads it)
-        folder = Path(config.trainer.output_dir)
-        named = {"experiment_name": run_name(config, folder)} if rm_cfg.reward_manager == "gdpo" else None
-        reward_fn = load_verl_reward_fn(custom.path, custom.name, extra_info=named)
+        reward_model = freeze(reward_model)
+    reward_fn = _ppo_reward_fn(config, task_reward)
     if reward_fn is None and reward_model is None:
         require_rules(train + val)
     if reward_fn is not None:
@@ -439,6 +429,37 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         _save_model(actor, tokenizer, run.path / "actor_adapter", world)
         actor = actor.merge_and_unload()
     _save_model(actor, tokenizer, run.path / "actor", world)
+
+
+def _ppo_actor(config: Config, tokenizer, device: torch.device):
+    """The actor: ``model.path``, under a saved LoRA adapter (``model.lora_adapter_path``) or a
+    fresh one (``model.lora_rank > 0``)."""
+    from refppo.rollout.models import add_lora, load_causal_lm, load_lora_adapter
+
+    m = config.model
+    actor = load_causal_lm(m.path, tokenizer, device, trust_remote_code=m.trust_remote_code)
+    if m.lora_adapter_path is not None:
+        return load_lora_adapter(actor, m.lora_adapter_path)
+    if m.lora_rank > 0:
+        return add_lora(actor, m.lora_rank, m.lora_alpha)
+    return actor
+
+
+def _ppo_reward_fn(config: Config, task_reward):
+    """The reward function PPO scores with: ``reward_model.reward_fn``, a verl custom reward
+    function from a file, or the task's own rule (None: none, a reward model scores)."""
+    from refppo.training.reward_fns import load_reward_fn, load_verl_reward_fn
+
+    rm = config.reward_model
+    if rm.reward_fn:
+        return load_reward_fn(rm.reward_fn)
+    if rm.custom_reward_function.path:
+        custom = rm.custom_reward_function
+        # verl's GDPO reward manager hands the function the run's name (verl's rlla.py reads it)
+        folder = Path(config.trainer.output_dir)
+        named = {"experiment_name": run_name(config, folder)} if rm.reward_manager == "gdpo" else None
+        return load_verl_reward_fn(custom.path, custom.name, extra_info=named)
+    return task_reward
 
 
 def _raised_by_refppo(error: BaseException) -> bool:

@@ -401,6 +401,21 @@ def _critic_enable(text: str, translated: list[str], notes: list[str]) -> None:
     notes.append(f"critic.enable={text} is refppo's behaviour already with algorithm.adv_estimator={estimator}")
 
 
+def _not_implemented(key: str, full: str, sep: str, text: str) -> str | None:
+    """For a key of :data:`NOT_IMPLEMENTED`: a ValueError naming what refppo lacks, unless the value
+    turns the feature off (then the note that says so); None for any other key."""
+    missing = [
+        what
+        for k, what in NOT_IMPLEMENTED.items()
+        if full not in ENGINE and (full == k or (k.endswith(".") and full.startswith(k)))
+    ]
+    if not missing:
+        return None
+    if not (sep and _plain(text) in OFF):
+        raise ValueError(f"{key}{sep}{text}: refppo does not implement {missing[0]}")
+    return f"{key}={text} is refppo's behaviour already (it does not implement {missing[0]})"
+
+
 def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     """Overrides in refppo's spelling, and a note for each verl setting that has no effect here.
 
@@ -428,15 +443,9 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
             continue
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
-        missing = [
-            what
-            for k, what in NOT_IMPLEMENTED.items()
-            if full not in ENGINE and (full == k or (k.endswith(".") and full.startswith(k)))
-        ]
-        if missing and not (sep and _plain(text) in OFF):
-            raise ValueError(f"{key}{sep}{text}: refppo does not implement {missing[0]}")
-        if missing:
-            notes.append(f"{key}={text} is refppo's behaviour already (it does not implement {missing[0]})")
+        off_note = _not_implemented(key, full, sep, text)
+        if off_note is not None:
+            notes.append(off_note)
             continue
         if sep and full == "critic.enable":
             critic_enable = text
