@@ -135,10 +135,9 @@ NOT_IMPLEMENTED = {
     "data.video_key": "video inputs (vision-language models)",
     "data.image_patch_size": "image inputs (vision-language models)",
     "distillation.": "on-policy distillation",
-    "--config-path": "Hydra's configuration files (give key=value settings)",
-    "--config-name": "Hydra's configuration files (give key=value settings)",
-    "hydra.": "Hydra's configuration files (give key=value settings)",
-    "actor@actor_rollout_ref.actor": "Hydra's configuration files (give key=value settings)",
+    "hydra.": "Hydra's own settings (a search path to another package's configuration: refppo composes verl's "
+    "own, with --config-path / --config-name)",
+    "actor@actor_rollout_ref.actor": "Hydra's package overrides of a configuration group (give the settings)",
     "actor_rollout_ref.model.mtp.": "multi-token prediction",
     "actor_rollout_ref.model.override_config.": "overriding the model's own config",
     "actor_rollout_ref.model.exclude_modules": "LoRA on some of the linear layers (refppo adapts all of them)",
