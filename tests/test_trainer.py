@@ -352,8 +352,15 @@ def test_reward_function_errors():
         ValueError, match=r"reward function test_trainer:.*<lambda> returned shape \(3,\); expected \(16,\)"
     ):
         make_trainer(reward_fn=lambda p, r, rec: torch.zeros(3)).train_step()
-    for wrong in (None, {"score": 1.0}, ["good"] * 16):
+    for wrong in (None, ["good"] * 16):
         with pytest.raises(ValueError, match=f"returned a {type(wrong).__name__}; expected 16 number\\(s\\)"):
+            make_trainer(reward_fn=lambda p, r, rec, wrong=wrong: wrong).train_step()
+    for wrong, message in (
+        ({"score": 1.0}, r"<lambda>'s 'score' returned shape \(\); expected \(16,\)"),  # verl's form: one list a key
+        ({"acc": [1.0] * 16}, r"returned a dict without 'score' \(it has \['acc'\]\)"),
+        ({"score": [0.0] * 16, "acc": [1.0] * 3}, r"<lambda>'s 'acc' returned shape \(3,\); expected \(16,\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
             make_trainer(reward_fn=lambda p, r, rec, wrong=wrong: wrong).train_step()
     with pytest.raises(ValueError, match="non-finite score"):
         make_trainer(reward_fn=lambda p, r, rec: torch.full((len(r),), float("nan"))).train_step()

@@ -61,8 +61,15 @@ def configs(draw) -> tuple[list[str], int]:
     longest = PROMPT_LEN + response_len
     mini = draw(st.sampled_from([d for d in (1, 2, 4) if prompts % d == 0]))
     critic_mini = draw(st.sampled_from([d for d in (1, 2, 4) if prompts % d == 0]))
-    loss = draw(st.sampled_from(LOSSES))
     mode = draw(st.sampled_from(["decoupled", "bypass", "token_is", "sequence_is"]))  # every loss takes weights
+    if mode == "bypass":  # its own loss replaces actor.policy_loss (verl's apply_bypass_mode)
+        bypass_loss = draw(st.sampled_from(["ppo_clip", "reinforce"]))
+        loss = "clip"
+        loss_setting = f"algorithm.rollout_correction.loss_type={bypass_loss}"
+    else:
+        bypass_loss = None
+        loss = draw(st.sampled_from(LOSSES))
+        loss_setting = f"actor.policy_loss={loss}"
     warmup = draw(st.sampled_from([0, 2])) if estimator == "gae" else 0  # a warm-up is for a critic
     overrides = [
         f"algorithm.adv_estimator={estimator}",
@@ -72,7 +79,7 @@ def configs(draw) -> tuple[list[str], int]:
         f"actor.ppo_mini_batch_size={mini}",
         f"actor.ppo_epochs={draw(st.integers(1, 2))}",
         *MODES[mode],
-        f"actor.policy_loss={loss}",
+        loss_setting,
         f"actor.loss_agg_mode={draw(st.sampled_from(AGG))}",
         f"actor.entropy_coeff={(coeff := draw(st.sampled_from([0.0, 0.01])))}",
         *([f"actor.calculate_entropy={draw(st.booleans())}"] if coeff == 0 else []),
@@ -90,7 +97,7 @@ def configs(draw) -> tuple[list[str], int]:
     # Settings another one turns off are drawn only where they are read (validate refuses the rest).
     if loss == "penalty":
         overrides += [f"actor.penalty_kl_type={draw(st.sampled_from(KL_TYPES))}"]
-    else:
+    elif bypass_loss != "reinforce":  # REINFORCE has no clip
         overrides += [
             f"actor.clip_ratio_c={draw(st.sampled_from(['null', '3.0']))}",
             f"actor.clip_ratio_high={draw(st.sampled_from(['null', '0.28']))}",

@@ -275,7 +275,7 @@ def _loss_inputs(seed, scale=0.3):
 
 
 def _seq_mean_token_mean(per_token, mask):
-    rows = [(sum(x * k for x, k in zip(r, m)) / sum(m)) for r, m in zip(per_token, mask) if sum(m)]
+    rows = [(sum(x * k for x, k in zip(r, m)) / (sum(m) + 1e-8)) for r, m in zip(per_token, mask) if sum(m)]  # verl's
     return sum(rows) / len(rows)
 
 

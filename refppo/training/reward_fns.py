@@ -137,12 +137,14 @@ def split_reward_result(result, rows: int, source: str) -> tuple[torch.Tensor, d
     """
     if not isinstance(result, dict):
         return check_scores(result, rows, source), {}
+    if "score" not in result:
+        raise ValueError(f"{source} returned a dict without 'score' (it has {sorted(result)})")
     components = {}
     for name, values in result.items():
-        numeric = isinstance(values, torch.Tensor) or all(isinstance(v, (int, float)) for v in values)
-        if name != "score" and numeric:
+        listed = isinstance(values, (list, tuple)) and all(isinstance(v, (int, float)) for v in values)
+        if name != "score" and (listed or isinstance(values, torch.Tensor)):
             components[name] = check_scores(values, rows, f"{source}'s {name!r}")
-    return check_scores(result["score"], rows, source), components
+    return check_scores(result["score"], rows, f"{source}'s 'score'"), components
 
 
 def describe(fn) -> str:
