@@ -3,6 +3,8 @@
 actor's old-log-prob pass (``actor.calculate_sum_pi_squared``), and GDPO's components from the
 reward function's dict results (``algorithm.gdpo_reward_keys``)."""
 
+import math
+
 import pytest
 import torch
 from _trainers import make_trainer
@@ -69,7 +71,7 @@ def test_the_optimal_token_baseline_reads_the_actors_sum_of_squared_probabilitie
         return evaluate(batch, scores, extras, timing)
 
     trainer.evaluate = before_update
-    batch, _, _ = _evaluated(trainer)
+    batch, _, metrics = _evaluated(trainer)
     assert any(not torch.equal(actor_before[k], v) for k, v in trainer.actor.state_dict().items())
     mask = batch["response_mask"]
     # float32 logits, softmax and log-sum-exp against float64: a few roundings of values <= 1
@@ -83,8 +85,46 @@ def test_the_optimal_token_baseline_reads_the_actors_sum_of_squared_probabilitie
         rollout_is_weights=batch.get("rollout_is_weights"),
     )
     assert ("rollout_is_weights" in batch) == weighted
+    # verl logs its gradient-variance proxies whenever the batch holds sum_pi_squared. float32: about
+    # 4 roundings per token over at most 16 x 4 tokens, 64 x 4 x 2^-24 < 2e-5 relative
+    for key, value in plain_variance_proxies(batch, metrics["actor/grad_norm"]).items():
+        assert metrics[key] == pytest.approx(value, rel=2e-5, abs=1e-7), key
+    assert metrics["variance_proxy/proxy2_total_power"] > 0, "a vacuous check"
     assert torch.equal(batch["advantages"], advantages) and torch.equal(batch["returns"], returns)
     assert bool((advantages != 0).any()), "a vacuous check: every advantage 0"
+
+
+def plain_variance_proxies(batch, grad_norm):
+    """verl 0.9's compute_variance_proxy_metrics (verl/trainer/ppo/metric_utils.py), row by row in
+    float64 Python."""
+    weights = batch.get("rollout_is_weights")
+    a_sq, w_sums, power = [], [], []
+    for i, m in enumerate(batch["response_mask"].tolist()):
+        old = batch["old_log_probs"][i].tolist()
+        spi = batch["sum_pi_squared"][i].tolist()
+        adv = batch["advantages"][i].tolist()
+        rho = weights[i].tolist() if weights is not None else [1.0] * len(m)
+        w = [(1 - 2 * math.exp(o) + s) * r * r for o, s, r in zip(old, spi, rho)]
+        a = sum(x * k for x, k in zip(adv, m)) / (sum(m) + 1e-8)
+        w_sum = sum(x * k for x, k in zip(w, m))
+        if weights is None:
+            power.append(a * a * max(w_sum, 0.0))
+        else:
+            rho_bar = sum(r * k for r, k in zip(rho, m)) / (sum(m) + 1e-8)
+            original = max(sum(x / max(r * r, 1e-10) * k for x, r, k in zip(w, rho, m)), 0.0)
+            power.append(rho_bar**2 * a * a * original)
+        a_sq.append(a * a)
+        w_sums.append(w_sum)
+    n = len(a_sq)
+    proxy2 = sum(power) / n
+    signal = grad_norm**2
+    return {
+        "variance_proxy/proxy1_signal_strength": signal,
+        "variance_proxy/proxy2_total_power": proxy2,
+        "variance_proxy/proxy3_pure_noise": max(0.0, (proxy2 - signal) / (n - 1)),
+        "variance_proxy/expected_a_squared": sum(a_sq) / n,
+        "variance_proxy/expected_w": sum(w_sums) / n,
+    }
 
 
 def components(prompts, responses, records):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from refppo.algorithms.rollout_corr_metrics import offpolicy_metrics, rollout_is_metrics
-from refppo.functional import masked_max_min, masked_mean, masked_var
+from refppo.functional import masked_max_min, masked_mean, masked_sum, masked_var
 from refppo.guards.checks import check_same_shape, check_values
 from refppo.settings.config import Config
 
@@ -77,6 +77,58 @@ def gdpo_metrics(components: dict[str, torch.Tensor], keys: tuple[str, ...]) -> 
         out[f"gdpo/{key}/max"] = values.max()
         out[f"gdpo/{key}/min"] = values.min()
     return out
+
+
+def variance_proxy_metrics(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """verl 0.9's ``variance_proxy/*`` of a batch that holds ``sum_pi_squared``
+    (``compute_variance_proxy_metrics`` in ``verl/trainer/ppo/metric_utils.py``), the parts that need
+    no gradient: with W = sum over a response's tokens of 1 - 2 pi_t + sum_v pi_v^2 (pi_t =
+    exp(old_log_probs); times rho^2 with ``rollout_is_weights``) and A each response's mean
+    advantage, ``proxy2_total_power`` = mean(A^2 max(W, 0)) (with the weights, mean(rho_bar^2 A^2
+    W_0), rho_bar each response's mean weight and W_0 the sum without rho^2, at least 0),
+    ``expected_a_squared`` = mean(A^2) and ``expected_w`` = mean(W).
+
+    Args:
+        batch: an evaluated batch with ``sum_pi_squared``, ``old_log_probs``, ``advantages`` and
+            ``response_mask`` (B, T), and maybe ``rollout_is_weights``.
+
+    Returns:
+        Scalar tensors.
+    """
+    mask = batch["response_mask"]
+    w_per_token = 1 - 2 * torch.exp(batch["old_log_probs"]) + batch["sum_pi_squared"]
+    weights = batch.get("rollout_is_weights")
+    if weights is not None:
+        w_per_token = w_per_token * weights.square()
+    advantages = masked_mean(batch["advantages"], mask, axis=-1)
+    w_values = masked_sum(w_per_token, mask, axis=-1)
+    if weights is None:
+        total_power = (advantages.square() * w_values.clamp(min=0.0)).mean()
+    else:  # verl divides the rho^2 back out of W, clamped away from 0
+        w_original = masked_sum(w_per_token / weights.square().clamp(min=1e-10), mask, axis=-1).clamp(min=0.0)
+        total_power = (masked_mean(weights, mask, axis=-1).square() * advantages.square() * w_original).mean()
+    return {
+        "variance_proxy/proxy2_total_power": total_power,
+        "variance_proxy/expected_a_squared": advantages.square().mean(),
+        "variance_proxy/expected_w": w_values.mean(),
+    }
+
+
+def gradient_noise_proxies(metrics: dict[str, float], rows: int) -> dict[str, float]:
+    """The rest of verl 0.9's ``variance_proxy/*``, from the step's gathered metrics:
+    ``proxy1_signal_strength`` = actor/grad_norm^2 and ``proxy3_pure_noise`` = max(0, (proxy2 -
+    proxy1) / (rows - 1)); both 0 in a step without an actor update or with one row, as verl.
+
+    Args:
+        metrics: the step's metrics, with ``variance_proxy/proxy2_total_power``.
+        rows: the batch's responses.
+    """
+    grad_norm = metrics.get("actor/grad_norm")
+    signal = 0.0 if grad_norm is None else grad_norm**2
+    noise = 0.0
+    if grad_norm is not None and rows > 1:
+        noise = max(0.0, (metrics["variance_proxy/proxy2_total_power"] - signal) / (rows - 1))
+    return {"variance_proxy/proxy1_signal_strength": signal, "variance_proxy/proxy3_pure_noise": noise}
 
 
 def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: bool) -> dict[str, torch.Tensor]:

@@ -80,7 +80,16 @@ from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
 from refppo.training.data import EpochSampler
 from refppo.training.dynamic_sampling import DynamicSampling
-from refppo.training.metrics import data_metrics, gather, gdpo_metrics, peak_memory_gb, throughput_metrics, timer
+from refppo.training.metrics import (
+    data_metrics,
+    gather,
+    gdpo_metrics,
+    gradient_noise_proxies,
+    peak_memory_gb,
+    throughput_metrics,
+    timer,
+    variance_proxy_metrics,
+)
 from refppo.training.optim import make_optimizer
 from refppo.training.reward_fns import RewardFn, check_scores, describe, split_reward_result
 from refppo.training.update import Learner, LossTerm, UpdateSettings, minibatch_updates
@@ -552,7 +561,12 @@ class PPOTrainer:
         memory."""
         c = self.config
         with value_checks(False):  # the batch was checked before the updates
-            metrics = gather(data_metrics(batch, c, self.use_critic) | stats, update_stats, self.device)
+            data = data_metrics(batch, c, self.use_critic)
+            if "sum_pi_squared" in batch:  # verl logs these whenever the actor computed it
+                data |= variance_proxy_metrics(batch)
+            metrics = gather(data | stats, update_stats, self.device)
+        if "sum_pi_squared" in batch:
+            metrics |= gradient_noise_proxies(metrics, rows=batch["response_mask"].shape[0])
         timing["timing_s/step"] = time.perf_counter() - start
         metrics.update(timing)
         metrics |= throughput_metrics(batch, timing)
