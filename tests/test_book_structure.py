@@ -58,7 +58,7 @@ NOT_VERL_CLAIMS = [
     ("ch05_rlhf_loop.ipynb", "a setting of verl's cluster is taken with a warning"),  # refppo's behaviour
     ("ch05_rlhf_loop.ipynb", "A whole verl command line starts from verl's defaults"),  # refppo's behaviour
     ("ch05b_reading_a_run.ipynb", "whether verl's initialisation does better, is exercise 2"),  # a pointer
-    ("ch07_ppo_vs_grpo.ipynb", "A name of verl's that refppo lacks is refused"),  # refppo's behaviour
+    ("ch07_ppo_vs_grpo.ipynb", "A verl name that refppo lacks is refused by name"),  # refppo's behaviour
     ("intro.md", "frameworks such as verl"),  # the book's scope
     ("intro.md", "a walk through verl's PPO source"),  # the notes the book follows
     ("intro.md", "verl's stages and keys"),  # the table of chapters
