@@ -15,7 +15,7 @@ from refppo.settings.validate import validate
 from refppo.training.fit import fit
 from refppo.training.metrics import bar_fields
 from refppo.training.reward_fns import check_scores
-from refppo.training.update import MAX_SKIPPED_UPDATES, LossTerm, count_skips
+from refppo.training.update import MAX_SKIPPED_UPDATES, LossTerm, count_skips, minibatch_updates
 
 
 def _run(trainer, steps):
@@ -312,6 +312,28 @@ SPLITS = {
 }
 
 
+def test_a_losss_other_stats_are_the_plain_mean_over_its_micro_batches():
+    """verl 0.9 logs a policy loss's own metrics (clip fraction, ppo_kl, ...) as the plain mean of
+    the micro-batches' values (``Metric`` with ``AggregationType.MEAN``, ``verl/utils/metric/utils.py``),
+    not weighted by their tokens: a probe stat, each micro-batch's token count, is logged as the mean
+    of those counts."""
+    trainer = make_trainer(["actor.ppo_micro_batch_size_per_gpu=2", "data.max_response_length=6"])
+    batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
+
+    def probed(mb):
+        terms, stats = trainer._actor_loss(mb)
+        return terms, stats | {"probe": mb["response_mask"].sum().double()}
+
+    settings = trainer._update_settings("actor")
+    trainer.shuffle_gen.manual_seed(0)
+    first = minibatch_updates(batch, trainer.learners["actor"], settings, probed, trainer.shuffle_gen, trainer.world)[0]
+    trainer.shuffle_gen.manual_seed(0)
+    order = torch.randperm(batch["response_mask"].shape[0], generator=trainer.shuffle_gen)[: settings.mini_rows]
+    counts = [float(m.sum()) for m in batch["response_mask"][order].split(2)]
+    assert len(set(counts)) > 1, "a vacuous check: every micro-batch holds as many tokens"
+    assert float(first["probe"]) == pytest.approx(sum(counts) / len(counts), rel=1e-12)
+
+
 @pytest.mark.parametrize("split_by", list(SPLITS))
 @pytest.mark.parametrize(
     "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
@@ -319,7 +341,8 @@ SPLITS = {
 def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split_by):
     """The first mini-batch's logged stats (before any update) equal with one micro-batch and
     with several (of 2 rows, or of a 32-token budget: rows regrouped, padding cut): the loss
-    stats combine like the loss, the token means by token share."""
+    stats combine like the loss (the other stats, the clip fraction and ppo_kl, are 0 at the first
+    mini-batch: the ratio is 1)."""
     settings = [
         f"actor.loss_agg_mode={mode}",
         f"critic.loss_agg_mode={mode}",

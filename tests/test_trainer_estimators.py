@@ -5,6 +5,7 @@ reward function's dict results (``algorithm.gdpo_reward_keys``)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from _trainers import make_trainer
@@ -192,5 +193,9 @@ def test_a_dict_result_gives_the_score_and_its_numeric_components():
     result = {"score": [1.0, 2.0], "acc": [1, 0], "pred": ["12", "7"]}  # a parsed answer is verl's, for its logs
     scores, parts = split_reward_result(result, 2, "fn")
     assert scores.tolist() == [1.0, 2.0] and list(parts) == ["acc"] and parts["acc"].tolist() == [1.0, 0.0]
+    # numpy's numbers, as a verl compute_score often returns them, are components too
+    numpy_result = {"score": [1.0, 2.0], "acc": [np.float32(0.5), np.int64(1)], "ok": [np.bool_(True), False]}
+    _, parts = split_reward_result(numpy_result, 2, "fn")
+    assert parts["acc"].tolist() == [0.5, 1.0] and parts["ok"].tolist() == [1.0, 0.0]
     with pytest.raises(ValueError, match="fn's 'acc' returned shape"):
         split_reward_result({"score": [1.0, 2.0], "acc": [1.0]}, 2, "fn")

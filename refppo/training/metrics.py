@@ -71,6 +71,8 @@ def gdpo_metrics(components: dict[str, torch.Tensor], keys: tuple[str, ...]) -> 
     """
     out = {}
     for key in keys:
+        if key not in components:  # verl logs the keys it finds; GDPO itself refuses a missing one
+            continue
         values = components[key].float()
         out[f"gdpo/{key}/mean"] = values.mean()
         out[f"gdpo/{key}/std"] = values.std(correction=0)

@@ -122,6 +122,23 @@ def check_scores(scores, rows: int, source: str) -> torch.Tensor:
     return scores
 
 
+def _numbers(values) -> bool:
+    """Whether ``values`` are numbers as verl's ``np.asarray(..., dtype=np.float32)`` takes them
+    (Python's, numpy's or torch's, bools too), not a parsed answer's text."""
+    if isinstance(values, torch.Tensor):
+        return True
+    if not isinstance(values, (list, tuple)):
+        return False
+    for value in values:
+        if isinstance(value, (str, bytes)):
+            return False
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            return False
+    return True
+
+
 def split_reward_result(result, rows: int, source: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A reward function's scores, and the other numeric values of a dict result by name (verl's
     reward_extra_info, which GDPO reads: ``algorithm.gdpo_reward_keys``).
@@ -141,8 +158,7 @@ def split_reward_result(result, rows: int, source: str) -> tuple[torch.Tensor, d
         raise ValueError(f"{source} returned a dict without 'score' (it has {sorted(result)})")
     components = {}
     for name, values in result.items():
-        listed = isinstance(values, (list, tuple)) and all(isinstance(v, (int, float)) for v in values)
-        if name != "score" and (listed or isinstance(values, torch.Tensor)):
+        if name != "score" and _numbers(values):
             components[name] = check_scores(values, rows, f"{source}'s {name!r}")
     return check_scores(result["score"], rows, f"{source}'s 'score'"), components
 
