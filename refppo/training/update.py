@@ -89,9 +89,7 @@ def minibatch_updates(
     Each term of a micro-batch's loss is weighted by its mode's share of the mini-batch
     (:func:`refppo.losses.agg_loss_weight`), so the accumulated gradient is the mini-batch loss's
     gradient exactly, and its logged value the mini-batch's, whatever the modes; the other stats
-    (a loss's clip fraction, ...) are the plain mean of the micro-batches' own, as verl 0.9's
-    ``Metric`` aggregates them (``AggregationType.MEAN`` in ``verl/workers/utils/losses.py``, over
-    the micro-batches and the processes). With several processes each takes
+    (token means) get the micro-batch's share of valid tokens. With several processes each takes
     its share of every mini-batch and the stats are summed over them. An update whose gradient
     norm is not finite is skipped (:func:`count_skips`).
 
@@ -117,9 +115,9 @@ def minibatch_updates(
                 mine = distributed.take_share(mini, world)
                 learner.optimizer.zero_grad(set_to_none=True)
                 stats: dict[str, torch.Tensor] = {}
-                micro_batches = settings.passes.micro_batches(mine, settings.micro_rows)
-                for _, mb in micro_batches:
+                for _, mb in settings.passes.micro_batches(mine, settings.micro_rows):
                     terms, micro_stats = micro_loss(mb)
+                    share = mb["response_mask"].sum() / mini["response_mask"].sum()
                     loss = 0.0
                     for name, term in terms.items():
                         weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], term.mode)
@@ -128,7 +126,7 @@ def minibatch_updates(
                         stats[name] = stats.get(name, 0.0) + weight * term.value.detach()
                     loss.backward()
                     for k, v in micro_stats.items():
-                        stats[k] = stats.get(k, 0.0) + v / (len(micro_batches) * world.size)
+                        stats[k] = stats.get(k, 0.0) + share * v
                 stats = distributed.sum_stats(stats, world)
                 stats |= optimizer_step(learner, settings.grad_clip)
                 per_mini.append(stats)
