@@ -42,9 +42,9 @@ def _plain_bypass(rollout, logp, adv, mask, rc, mode, scale, clip=(0.2, 0.2, 0.2
     """verl 0.9's bypass loss in float64: returns the loss as a differentiable function of logp."""
     weights = None
     if rc["rollout_is"] is not None:
-        weights = _plain_weights(logp.detach(), rollout, mask, rc["rollout_is_threshold"], rc["rollout_is"], False)
-        if rc["rollout_is_batch_normalize"]:
-            weights = _plain_weights(logp.detach(), rollout, mask, rc["rollout_is_threshold"], rc["rollout_is"], True)
+        threshold = rc["rollout_is_threshold"]
+        normalize = rc["rollout_is_batch_normalize"]
+        weights = _plain_weights(logp.detach(), rollout, mask, threshold, rc["rollout_is"], normalize)
     kept = mask.tolist()
     if rc["rollout_rs"] is not None:
         keep_rows, _, _ = _plain_rs(logp.detach(), rollout, mask, {"token_k1": (0.8, 1.25)})
@@ -56,8 +56,7 @@ def _plain_bypass(rollout, logp, adv, mask, rc, mode, scale, clip=(0.2, 0.2, 0.2
         ratio = torch.exp(logp - rollout)
         pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
         token_loss = torch.where(adv < 0, torch.minimum(pg, -adv * c), pg)
-    loss_rows = [list(row) for row in token_loss.unbind(0)]
-    return _plain_agg([[v for v in row] for row in loss_rows], kept, mask.tolist(), mode, scale)
+    return _plain_agg([list(row) for row in token_loss.unbind(0)], kept, mask.tolist(), mode, scale)
 
 
 def _inputs(seed=0):

@@ -133,6 +133,17 @@ def assert_grad_close(got, expected):
     return bool(scale > 0)
 
 
+def plain_clipped(adv, ratio, a, dual_clip=True):
+    """PPO's clipped loss per token with the actor's bounds ``a`` (a side left null takes
+    clip_ratio), and the dual clip where ``a.clip_ratio_c`` is set (GSPO has none)."""
+    low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+    high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
+    if dual_clip and a.clip_ratio_c is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
+    return pg
+
+
 def expected_actor_loss(trainer, batch):
     """The actor's loss on the whole batch (one mini-batch), written out from the config."""
     a = trainer.config.actor
@@ -146,9 +157,7 @@ def expected_actor_loss(trainer, batch):
         # tokens' (value), each token's own gradient; seq-mean-token-mean whatever the mode says
         seq_log_ratio = ((logp - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         seq_ratio = torch.exp((logp - logp.detach() + seq_log_ratio.detach()).clamp(max=10.0))
-        low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
-        high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
-        pg = torch.maximum(-adv * seq_ratio, -adv * seq_ratio.clamp(1 - low, 1 + high))
+        pg = plain_clipped(adv, seq_ratio, a, dual_clip=False)
         pg_mode = "seq-mean-token-mean"
     elif a.policy_loss == "penalty":
         kl_old = old - logp  # k1 of KL(pi_old || pi_theta) on tokens from pi_old
@@ -156,11 +165,7 @@ def expected_actor_loss(trainer, batch):
     elif trainer.config.algorithm.rollout_correction.bypass_mode:
         pg = expected_bypass_token_losses(trainer, logp, old, adv, mask)
     else:
-        low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
-        high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
-        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
-        if a.clip_ratio_c is not None:
-            pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
+        pg = plain_clipped(adv, ratio, a)
         rc = trainer.config.algorithm.rollout_correction
         if rc.rollout_is is not None:  # verl's truncated importance weights, written plainly
             log_ratio = (old - batch["rollout_log_probs"]) * mask
@@ -197,12 +202,7 @@ def expected_bypass_token_losses(trainer, logp, rollout, adv, mask):
             assert rc.rollout_is == "token"
             weights = (log_ratio.exp() * mask).clamp(max=rc.rollout_is_threshold)
         return -adv * logp * weights * kept
-    ratio = torch.exp(logp - rollout)
-    low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
-    high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
-    pg = torch.where(adv < 0, torch.minimum(pg, -adv * a.clip_ratio_c), pg)
-    return pg * kept
+    return plain_clipped(adv, torch.exp(logp - rollout), a) * kept
 
 
 def expected_critic_loss(trainer, batch):

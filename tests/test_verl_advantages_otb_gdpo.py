@@ -297,32 +297,23 @@ def test_gdpo_refuses_what_it_cannot_read_naming_it(config, non_tensor_batch, me
 
 
 # ---- the optimal token baseline -------------------------------------------------------------
+@pytest.mark.parametrize(
+    "estimator, reference",
+    [
+        (compute_optimal_token_baseline_advantage, ref_otb),
+        (compute_multi_turn_optimal_token_baseline_advantage, ref_tir_otb),
+    ],
+    ids=["optimal_token_baseline", "tir_optimal_token_baseline"],
+)
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("with_is", [False, True])
 @pytest.mark.parametrize("handle_zero_tail", [True, False])
 @pytest.mark.parametrize("holes", [True, False])
-def test_optimal_token_baseline_is_verls(seed, with_is, handle_zero_tail, holes):
+def test_optimal_token_baselines_are_verls(estimator, reference, seed, with_is, handle_zero_tail, holes):
     _, rewards, mask, lp, sp, isw, _ = _inputs(seed, holes)
     isw = isw if with_is else None
-    adv, ret = compute_optimal_token_baseline_advantage(
-        rewards, mask, INDEX, lp, sp, rollout_is_weights=isw, handle_zero_tail=handle_zero_tail
-    )
-    want_adv, want_ret = ref_otb(rewards, mask, INDEX, lp, sp, isw, handle_zero_tail)
-    torch.testing.assert_close(ret, _t(want_ret), **EXACT)
-    torch.testing.assert_close(adv, _t(want_adv), **EXACT)
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("with_is", [False, True])
-@pytest.mark.parametrize("handle_zero_tail", [True, False])
-@pytest.mark.parametrize("holes", [True, False])
-def test_multi_turn_optimal_token_baseline_is_verls(seed, with_is, handle_zero_tail, holes):
-    _, rewards, mask, lp, sp, isw, _ = _inputs(seed, holes)
-    isw = isw if with_is else None
-    adv, ret = compute_multi_turn_optimal_token_baseline_advantage(
-        rewards, mask, INDEX, lp, sp, rollout_is_weights=isw, handle_zero_tail=handle_zero_tail
-    )
-    want_adv, want_ret = ref_tir_otb(rewards, mask, INDEX, lp, sp, isw, handle_zero_tail)
+    adv, ret = estimator(rewards, mask, INDEX, lp, sp, rollout_is_weights=isw, handle_zero_tail=handle_zero_tail)
+    want_adv, want_ret = reference(rewards, mask, INDEX, lp, sp, isw, handle_zero_tail)
     torch.testing.assert_close(ret, _t(want_ret), **EXACT)
     torch.testing.assert_close(adv, _t(want_adv), **EXACT)
 

@@ -117,7 +117,8 @@ def compute_policy_loss_bypass_mode(
     if config is None or config.get("policy_loss", {}).get("rollout_correction") is None:
         raise ValueError("bypass_mode's loss needs config.policy_loss.rollout_correction (verl's apply_bypass_mode)")
     rc = config["policy_loss"]["rollout_correction"]
-    check_choice("rollout_correction.loss_type", rc.get("loss_type", "ppo_clip"), BYPASS_LOSS_TYPES)
+    loss_type = rc.get("loss_type", "ppo_clip")
+    check_choice("rollout_correction.loss_type", loss_type, BYPASS_LOSS_TYPES)
     rollout_log_prob = old_log_prob
     current = log_prob.detach()
     metrics = {}
@@ -143,7 +144,7 @@ def compute_policy_loss_bypass_mode(
         "batch_num_tokens": response_mask.sum(),
         "global_batch_size": (response_mask.sum(-1) > 0).sum(),
     }
-    if rc.get("loss_type", "ppo_clip") == "reinforce":
+    if loss_type == "reinforce":
         pg_loss, pg_metrics = compute_policy_loss_reinforce(
             rollout_log_prob, log_prob, advantages, kept, rollout_is_weights=weights, **aggregation
         )

@@ -121,26 +121,17 @@ def _remote_code_loads(config: Config, command: str) -> list[tuple[str, str, str
     built) of each model ``command`` builds; the critic without a path of its own is model.path's
     folder under critic.model.trust_remote_code, as verl's critic.model.path defaults to the actor's."""
     m = config.model
-    loads = [("model.path", m.path, "model.trust_remote_code", m.trust_remote_code, "AutoModelForCausalLM")]
-    if command == "rm":
-        loads = [(*loads[0][:4], SCALAR_HEAD)]
+    model_class = SCALAR_HEAD if command == "rm" else "AutoModelForCausalLM"  # rm trains a scalar head
+    loads = [("model.path", m.path, "model.trust_remote_code", m.trust_remote_code, model_class)]
     if command == "ppo" and needs_critic(config.algorithm.adv_estimator):
         critic = config.critic.model
         key = "critic.model.path" if critic.path else "model.path"
-        loads.append(
-            (key, critic.path or m.path, "critic.model.trust_remote_code", critic.trust_remote_code, SCALAR_HEAD)
-        )
+        trust_key = "critic.model.trust_remote_code"
+        loads.append((key, critic.path or m.path, trust_key, critic.trust_remote_code, SCALAR_HEAD))
     if command == "ppo" and config.reward_model.enable:
         rm = config.reward_model.model
-        loads.append(
-            (
-                "reward_model.model.path",
-                rm.path,
-                "reward_model.model.trust_remote_code",
-                rm.trust_remote_code,
-                SCALAR_HEAD,
-            )
-        )
+        trust_key = "reward_model.model.trust_remote_code"
+        loads.append(("reward_model.model.path", rm.path, trust_key, rm.trust_remote_code, SCALAR_HEAD))
     return [load for load in loads if load[1] is not None]
 
 

@@ -101,13 +101,14 @@ def variance_proxy_metrics(batch: dict[str, torch.Tensor]) -> dict[str, torch.Te
     w_per_token = 1 - 2 * torch.exp(batch["old_log_probs"]) + batch["sum_pi_squared"]
     weights = batch.get("rollout_is_weights")
     if weights is not None:
-        w_per_token = w_per_token * weights.square()
+        rho_squared = weights.square()
+        w_per_token = w_per_token * rho_squared
     advantages = masked_mean(batch["advantages"], mask, axis=-1)
     w_values = masked_sum(w_per_token, mask, axis=-1)
     if weights is None:
         total_power = (advantages.square() * w_values.clamp(min=0.0)).mean()
     else:  # verl divides the rho^2 back out of W, clamped away from 0
-        w_original = masked_sum(w_per_token / weights.square().clamp(min=1e-10), mask, axis=-1).clamp(min=0.0)
+        w_original = masked_sum(w_per_token / rho_squared.clamp(min=1e-10), mask, axis=-1).clamp(min=0.0)
         total_power = (masked_mean(weights, mask, axis=-1).square() * advantages.square() * w_original).mean()
     return {
         "variance_proxy/proxy2_total_power": total_power,
