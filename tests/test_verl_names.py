@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from _inputs import CHAT_TEMPLATES
 
 from refppo.runs.cli import main
@@ -30,7 +31,11 @@ from refppo.settings.verl_names import (
 
 # verl 0.9's config keys and defaults, and those its DAPO command lines add
 VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys.json").read_text())["defaults"] | ADDED
-# keys of verl's other configurations (Megatron, VeOmni, MindSpeed, ...) that its own example scripts set
+# verl 0.9's Megatron configuration (its keys beyond the FSDP one's: Megatron's engine and optimizer)
+MEGATRON = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_megatron_trainer_keys.json").read_text())[
+    "defaults"
+]
+# keys of verl's other configurations (VeOmni, MindSpeed, ...) that its own example scripts set
 EXAMPLE_KEYS = {
     item.partition("=")[0].lstrip("+")
     for line in json.loads((Path(__file__).parent / "data" / "verl_0_9_0_examples.json").read_text())["lines"]
@@ -84,14 +89,14 @@ def test_defaults_equal_verls_or_the_key_map_says_why():
 def test_engine_and_missing_settings_are_verl_keys_refppo_does_not_have():
     for key in [*ENGINE, *MISSING]:
         if key.endswith("."):
-            assert any(k.startswith(key) for k in [*VERL, *EXAMPLE_KEYS]), key
+            assert any(k.startswith(key) for k in [*VERL, *MEGATRON, *EXAMPLE_KEYS]), key
         else:
-            assert key in VERL or key in EXAMPLE_KEYS, key
+            assert key in VERL or key in MEGATRON or key in EXAMPLE_KEYS, key
         assert refppo_key(key) not in KEYS, key
     for key, (off, _) in MISSING.items():  # the value that turns it off is verl's default
-        if key not in VERL:  # a key of another verl configuration (Megatron's, ...), not checked here
+        if key not in VERL and key not in MEGATRON:  # a key of another configuration (VeOmni's, ...)
             continue
-        theirs = VERL[key]
+        theirs = VERL.get(key, MEGATRON.get(key))
         if isinstance(theirs, str) and theirs.startswith("${"):  # an interpolation: its fallback
             theirs = theirs.rsplit(",", 1)[1].rstrip("}")
         assert format_value(theirs).lower() == off, key
@@ -597,12 +602,70 @@ def test_keys_verl_adds_but_never_reads_are_dropped_with_a_note():
     assert any(n.endswith("verl's SAPO loss reads actor.tau_pos (verl leaves it unread too)") for n in notes), notes
 
 
+def _megatron_lr(num_steps: int, lr: float, min_lr: float, warmup: int, style: str) -> float:
+    """Megatron-Core's ``OptimizerParamScheduler.get_lr`` as verl 0.9 builds it
+    (``get_megatron_optimizer_param_scheduler`` in ``verl/utils/megatron/optimizer.py``: init_lr =
+    lr_warmup_init = 0, max_lr = lr), written plainly: a linear warm-up, then the peak for the
+    constant style; the floor ``min_lr`` enters only the decaying styles (here: linear)."""
+    if warmup > 0 and num_steps <= warmup:
+        return lr * num_steps / warmup
+    if style == "constant":
+        return lr
+    return min_lr + (lr - min_lr) * (1 - num_steps / 100)
+
+
+def test_megatrons_learning_rate_floor_is_unread_with_its_constant_schedule():
+    """verl's Megatron line (``examples/grpo_trainer/run_hy_v3_megatron.sh``) sets ``optim.min_lr``
+    with the default ``lr_decay_style=constant``: Megatron's scheduler never reads the floor then,
+    so the line trains with refppo's constant schedule, which equals Megatron's step for step (a
+    floor the reference would show: min_lr moves its linear style). A decaying style is refused."""
+    from refppo.training.optim import make_optimizer
+
+    config, notes = command_settings(
+        "ppo",
+        [
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=4",
+            "actor_rollout_ref.actor.optim.min_lr=1e-4",
+            "critic.optim.min_lr=0",
+        ],
+    )
+    assert sum("min_lr=" in n and "(verl leaves it unread too)" in n for n in notes) == 2, notes
+    optimizer, scheduler = make_optimizer([torch.nn.Parameter(torch.zeros(1))], config.actor.optim, total_steps=10)
+    for step in range(10):
+        expected = _megatron_lr(step, lr=1e-3, min_lr=1e-4, warmup=4, style="constant")
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-15, abs=0), step
+        optimizer.step()
+        scheduler.step()
+    assert _megatron_lr(6, lr=1e-3, min_lr=1e-4, warmup=4, style="linear") != _megatron_lr(
+        6, lr=1e-3, min_lr=0.0, warmup=4, style="linear"
+    )
+    with pytest.raises(ValueError, match="lr_decay_style=linear: refppo does not implement Megatron's schedule"):
+        command_settings("ppo", ["critic.optim.lr_decay_style=linear"])
+    with pytest.raises(ValueError, match="lr_warmup_init=1e-5: refppo does not implement a warm-up from"):
+        command_settings("ppo", ["actor_rollout_ref.actor.optim.lr_warmup_init=1e-5"])
+    command_settings("ppo", ["actor_rollout_ref.actor.optim.lr_warmup_init=0"])  # 0 is verl's 0.0
+
+
+def test_a_line_for_ascend_npus_runs_on_the_accelerator_found_as_verls_does():
+    """verl's ``main_ppo`` calls ``auto_set_device`` (``verl/utils/device.py``) first: when the
+    platform it detects is an accelerator other than ``trainer.device`` names, it runs there with a
+    warning. So verl's Ascend lines (``trainer.device=npu``) run on a CUDA GPU; refppo's
+    ``trainer.device=auto`` is that choice, with a note."""
+    config, notes = command_settings("ppo", ["trainer.device=npu", "algorithm.adv_estimator=grpo"])
+    assert config.trainer.device == "auto"
+    assert any(n.startswith("trainer.device=npu: verl runs on the accelerator it detects") for n in notes), notes
+    with pytest.raises(ValueError, match="trainer.device"):
+        command_settings("ppo", ["trainer.device=tpu"])
+
+
 def test_every_key_of_verls_configuration_has_a_class():
-    """Each of verl 0.9's ppo_trainer keys (its generated YAML, tests/data), given at its default,
-    is taken, noted as an engine setting, dropped as unread, accepted at its off value, or refused
-    naming what refppo lacks: never "unknown config key", which is for keys verl lacks too."""
+    """Each of verl 0.9's ppo_trainer and ppo_megatron_trainer keys (its generated YAMLs, tests/data),
+    given at its default, is taken, noted as an engine setting, dropped as unread, accepted at its
+    off value, or refused naming what refppo lacks: never "unknown config key", which is for keys
+    verl lacks too."""
     unknown = []
-    for key, value in VERL.items():
+    for key, value in (MEGATRON | VERL).items():
         literal = not isinstance(value, (list, dict)) and not (isinstance(value, str) and value.startswith("${"))
         text = format_value(value) if literal else "null"
         try:

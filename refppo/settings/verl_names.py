@@ -74,6 +74,43 @@ UNREAD_BY_VERL = {
     "actor_rollout_ref.actor.policy_loss.tau_pos": "verl's SAPO loss reads actor.tau_pos",
     "actor_rollout_ref.actor.policy_loss.tau_neg": "verl's SAPO loss reads actor.tau_neg",
     **{f"algorithm.pf_ppo.{k}": "read only with algorithm.use_pf_ppo=true" for k in ("reweight_method", "weight_pow")},
+    # Megatron's OptimizerParamScheduler.get_lr returns the peak lr after warm-up when the decay
+    # style is constant, the only one refppo takes (verl/utils/megatron/optimizer.py passes it on)
+    **{
+        f"{opt}.{k}": why
+        for opt in ("actor_rollout_ref.actor.optim", "critic.optim")
+        for keys, why in (
+            (("min_lr",), "Megatron's scheduler reads its floor only with an lr_decay_style other than constant"),
+            (("lr_wsd_decay_style", "lr_wsd_decay_steps"), "read only with lr_decay_style=WSD"),
+            # get_megatron_optimizer_param_scheduler passes start_wd = end_wd = weight_decay
+            (
+                ("weight_decay_incr_style",),
+                "every style keeps the weight decay at weight_decay (verl starts and ends it there)",
+            ),
+            (
+                ("exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype"),
+                "read only with use_precision_aware_optimizer=true",
+            ),
+            (
+                (
+                    "use_layer_wise_distributed_optimizer",
+                    "muon_momentum",
+                    "muon_nesterov",
+                    "muon_split_qkv",
+                    "muon_scale_mode",
+                    "muon_coefficient_type",
+                    "muon_num_ns_steps",
+                    "muon_tp_mode",
+                    "muon_fp32_matmul_prec",
+                    "muon_extra_scale_factor",
+                    "muon_scalar_optimizer",
+                    "muon_match_adamw_update_rms",
+                ),
+                "read only with optimizer=muon",
+            ),
+        )
+        for k in keys
+    },
     **{
         f"{section}.{k}": "read only with multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.enable=true)"
         for section in ("actor_rollout_ref.rollout.multi_turn", "data")
@@ -141,7 +178,6 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.model.mtp.": "multi-token prediction",
     "actor_rollout_ref.model.override_config.": "overriding the model's own config",
     "actor_rollout_ref.model.exclude_modules": "LoRA on some of the linear layers (refppo adapts all of them)",
-    "actor_rollout_ref.actor.optim.min_lr": "Megatron's learning-rate floor (refppo's: actor.optim.min_lr_ratio)",
     "data.continuous_token.": "continuous-token inputs",
     "data.custom_cls.": "dataset classes from a file",
     "data.audio_key": "audio inputs",
@@ -223,7 +259,8 @@ ENGINE = (
         for k in ("use_remove_padding", "use_shm", "enable_activation_offload")
     ),
     "actor_rollout_ref.actor.use_remove_padding", "actor_rollout_ref.model.use_liger", "critic.model.use_liger",
-    "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.nccl_timeout", "actor_rollout_ref.ref.use_torch_compile",
+    "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.nccl_timeout", "critic.nccl_timeout",
+    "actor_rollout_ref.ref.use_torch_compile",
     "trainer.nnodes", "trainer.n_gpus_per_node",
     "trainer.balance_batch", "trainer.use_v1", "trainer.v1.", "trainer.default_hdfs_dir",
     "trainer.del_local_ckpt_after_load", "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
@@ -277,10 +314,10 @@ MISSING = {
         "false",
         "replaying the rollout's MoE routing in training",
     ),
-    "actor_rollout_ref.actor.optim.lr_decay_style": (
-        "constant",
-        "Megatron's schedule names (refppo's: actor.optim.lr_scheduler_type)",
-    ),
+    **{
+        f"{opt}.lr_decay_style": ("constant", f"Megatron's schedule names (refppo's: {short}.optim.lr_scheduler_type)")
+        for opt, short in (("actor_rollout_ref.actor.optim", "actor"), ("critic.optim", "critic"))
+    },
     "actor_rollout_ref.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
     "critic.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
     **{
@@ -293,6 +330,11 @@ MISSING = {
             ("total_training_steps", "-1", "a schedule length other than the run's"),
             ("warmup_style", "null", "the deprecated warmup_style (lr_scheduler_type is the setting)"),
             ("zero_indexed_step", "true", "a schedule counted from step 1"),
+            # Megatron's optimizer (verl/utils/megatron/optimizer.py)
+            ("lr_warmup_init", "0.0", "a warm-up from a learning rate other than 0"),
+            ("lr_decay_steps", "null", "a schedule length other than the run's"),
+            ("use_checkpoint_opt_param_scheduler", "false", "a schedule read back from a checkpoint over the settings"),
+            ("use_precision_aware_optimizer", "false", "optimizer states below float32"),
         )
     },
     **{
@@ -313,9 +355,13 @@ MISSING = {
     "actor_rollout_ref.ref.router_replay.mode": ("disabled", "replaying MoE routing"),
 }
 
+# verl's main_ppo runs on the accelerator it detects, whatever trainer.device names
+# (auto_set_device in verl/utils/device.py): a line written for Ascend NPUs runs on a CUDA GPU.
+# refppo's auto is that choice (CUDA when there is one, else the CPU).
+DETECTED_DEVICES = ("npu",)
+
 # values of verl 0.9's registries that refppo does not implement: what each is missing
 MISSING_CHOICES = {
-    ("trainer.device", "npu"): "Ascend NPUs (it runs on CPUs and CUDA GPUs)",
     ("algorithm.adv_estimator", "rloo_vectorized"): "verl's vectorised RLOO, which gives a group of one 0 "
     "(algorithm.adv_estimator=rloo keeps its score, as verl's rloo)",
     ("actor.policy_loss", "bypass_mode"): "choosing bypass mode's loss by name, which verl's trainer picks "
@@ -344,6 +390,16 @@ def _is_engine(full: str) -> bool:
 def _plain(text: str) -> str:
     """An override's value as verl's Hydra reads it, for comparing: no quotes, lower case."""
     return text.strip().strip("'\"").lower().replace("none", "null")
+
+
+def _same_value(text: str, off: str) -> bool:
+    """Whether two plain values are one value as Hydra reads them (``0`` is ``0.0``)."""
+    if text == off:
+        return True
+    try:
+        return float(text) == float(off)
+    except ValueError:
+        return False
 
 
 # verl's token budget per micro-batch is max_token_len_per_gpu times the model's Ulysses
@@ -460,7 +516,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
             continue
         if sep and full in MISSING:
             off, what = MISSING[full]
-            if _plain(text) != off:
+            if not _same_value(_plain(text), off):
                 raise ValueError(f"{key}={text}: refppo does not implement {what} (only {key}={off})")
             notes.append(f"{key}={text} is refppo's behaviour already (it does not implement {what})")
             continue
@@ -471,6 +527,13 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
             out.append(choices[_plain(text)])
             continue
         name = refppo_key(key)
+        if sep and name == "trainer.device" and _plain(text) in DETECTED_DEVICES:
+            notes.append(
+                f"{key}={text}: verl runs on the accelerator it detects (auto_set_device), and so does refppo "
+                "(trainer.device=auto: CUDA when there is one, else the CPU)"
+            )
+            out.append("trainer.device=auto")
+            continue
         if sep and (name, _plain(text)) in MISSING_CHOICES:
             raise ValueError(f"{key}={text}: refppo does not implement {MISSING_CHOICES[name, _plain(text)]}")
         value = VALUES.get((name, _plain(text)), text) if sep else text
