@@ -23,37 +23,6 @@ LOSS_AGG_MODES = (
 )
 
 
-def _agg_loss(
-    loss_mat: torch.Tensor,
-    loss_mask: torch.Tensor,
-    loss_agg_mode: str,
-    loss_scale_factor: float | None = None,
-    batch_num_tokens: torch.Tensor | int | None = None,
-    global_batch_size: torch.Tensor | int | None = None,
-) -> torch.Tensor:
-    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-    if loss_scale_factor is not None:
-        check_number("loss_scale_factor", loss_scale_factor, "(0, inf)")
-    # The counts are at least 1 when the mask has a valid token (agg_loss checks it); the clamps
-    # make a micro-batch that rejection sampling emptied add 0, as in verl's engine.
-    if loss_agg_mode == "token-mean":
-        tokens = loss_mask.sum().clamp(min=1) if batch_num_tokens is None else batch_num_tokens
-        return masked_sum(loss_mat, loss_mask) / tokens
-    if loss_agg_mode == "token-sum":
-        return masked_sum(loss_mat, loss_mask)
-    seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
-    tokens = loss_mask.sum(dim=-1)
-    if loss_agg_mode == "seq-mean-token-mean":
-        seq_losses = seq_losses / (tokens + 1e-8)  # verl's 1e-8: an empty row gives 0
-    elif loss_agg_mode == "seq-mean-token-sum-norm":
-        # Dr. GRPO: a constant divisor (the configured longest response), not the token count.
-        seq_losses = seq_losses / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    # Rows with no valid token do not count as sequences (unless the caller counted them).
-    has_tokens = (tokens > 0).to(seq_losses.dtype)
-    rows = has_tokens.sum().clamp(min=1) if global_batch_size is None else global_batch_size
-    return masked_sum(seq_losses, has_tokens) / rows
-
-
 @checks_once
 def agg_loss(
     loss_mat: torch.Tensor,
@@ -92,7 +61,27 @@ def agg_loss(
     for name, count in (("batch_num_tokens", batch_num_tokens), ("global_batch_size", global_batch_size)):
         if count is not None and not isinstance(count, torch.Tensor):
             check_number(name, count, "(0, inf)")
-    return _agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor, batch_num_tokens, global_batch_size)
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    if loss_scale_factor is not None:
+        check_number("loss_scale_factor", loss_scale_factor, "(0, inf)")
+    # The counts are at least 1 when the mask has a valid token (checked above); the clamps
+    # make a micro-batch that rejection sampling emptied add 0, as in verl's engine.
+    if loss_agg_mode == "token-mean":
+        tokens = loss_mask.sum().clamp(min=1) if batch_num_tokens is None else batch_num_tokens
+        return masked_sum(loss_mat, loss_mask) / tokens
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
+    seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
+    tokens = loss_mask.sum(dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / (tokens + 1e-8)  # verl's 1e-8: an empty row gives 0
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        # Dr. GRPO: a constant divisor (the configured longest response), not the token count.
+        seq_losses = seq_losses / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    # Rows with no valid token do not count as sequences (unless the caller counted them).
+    has_tokens = (tokens > 0).to(seq_losses.dtype)
+    rows = has_tokens.sum().clamp(min=1) if global_batch_size is None else global_batch_size
+    return masked_sum(seq_losses, has_tokens) / rows
 
 
 def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
@@ -251,7 +240,7 @@ def compute_policy_loss(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()
     counts = {"batch_num_tokens": batch_num_tokens, "global_batch_size": global_batch_size}
-    pg_loss = _agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor, **counts)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale_factor, **counts)
     metrics = {"actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": pg_clipfrac_lower}
     return pg_loss, {k: v.detach() for k, v in metrics.items()}
 
@@ -324,7 +313,7 @@ def compute_ppo_penalty_loss(
     losses = -advantages * ratio + penalty_kl_coef * kl
     if rollout_is_weights is not None:
         losses = losses * rollout_is_weights.detach()
-    loss = _agg_loss(losses, response_mask, loss_agg_mode, loss_scale_factor)
+    loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, {"actor/ppo_kl": masked_mean(kl, response_mask).detach()}
 
 
@@ -389,5 +378,5 @@ def compute_value_loss(
         vf_losses2 = (vpredclipped - returns) ** 2
         clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
         vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
-    vf_loss = 0.5 * _agg_loss(clipped_vf_losses, response_mask, loss_agg_mode, loss_scale_factor)
+    vf_loss = 0.5 * agg_loss(clipped_vf_losses, response_mask, loss_agg_mode, loss_scale_factor)
     return vf_loss, vf_clipfrac.detach()
