@@ -471,6 +471,27 @@ def _not_implemented(key: str, full: str, sep: str, text: str) -> str | None:
     return f"{key}={text} is refppo's behaviour already (it does not implement {missing[0]})"
 
 
+def _refppo_setting(key: str, sep: str, text: str, notes: list[str]) -> str:
+    """A setting refppo takes, as ``key=value`` in refppo's names (verl's names of the key and of
+    the value translated); a device verl would leave for the one it detects is refppo's auto, with
+    a note to ``notes``.
+
+    Raises:
+        ValueError: a name in verl's registries that refppo does not implement.
+    """
+    name = refppo_key(key)
+    if sep and name == "trainer.device" and _plain(text) in DETECTED_DEVICES:
+        notes.append(
+            f"{key}={text}: verl runs on the accelerator it detects (auto_set_device), and so does refppo "
+            "(trainer.device=auto: CUDA when there is one, else the CPU)"
+        )
+        return "trainer.device=auto"
+    if sep and (name, _plain(text)) in MISSING_CHOICES:
+        raise ValueError(f"{key}={text}: refppo does not implement {MISSING_CHOICES[name, _plain(text)]}")
+    value = VALUES.get((name, _plain(text)), text) if sep else text
+    return f"{name}{sep}{value}"
+
+
 def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     """Overrides in refppo's spelling, and a note for each verl setting that has no effect here.
 
@@ -526,18 +547,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
                 raise ValueError(f"{key}={text}: refppo takes {' or '.join(choices)} (the run in trainer.output_dir)")
             out.append(choices[_plain(text)])
             continue
-        name = refppo_key(key)
-        if sep and name == "trainer.device" and _plain(text) in DETECTED_DEVICES:
-            notes.append(
-                f"{key}={text}: verl runs on the accelerator it detects (auto_set_device), and so does refppo "
-                "(trainer.device=auto: CUDA when there is one, else the CPU)"
-            )
-            out.append("trainer.device=auto")
-            continue
-        if sep and (name, _plain(text)) in MISSING_CHOICES:
-            raise ValueError(f"{key}={text}: refppo does not implement {MISSING_CHOICES[name, _plain(text)]}")
-        value = VALUES.get((name, _plain(text)), text) if sep else text
-        out.append(f"{name}{sep}{value}")
+        out.append(_refppo_setting(key, sep, text, notes))
     out += _rollout_lengths(lengths, out, notes)
     out += [f"{name}={json.dumps(entries)}" for name, entries in dicts.items()]
     if critic_enable is not None:
