@@ -10,8 +10,10 @@ from refppo.training.optim import make_optimizer
 
 def verl_lr_factors(total, warmup=-1, ratio=0.0, cosine=False, min_lr_ratio=0.0):
     """verl's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup (num_cycles 0.5)
-    and its warm-up rule (fsdp_workers), step by step."""
-    if warmup < 0:
+    and its warm-up rule (``FSDPEngine._build_lr_scheduler`` in
+    ``verl/workers/engine/fsdp/transformer_impl.py``: a warm-up of <= 0 steps takes the ratio),
+    step by step."""
+    if warmup <= 0:
         warmup = int(ratio * total)
     factors = []
     for step in range(total):
@@ -39,6 +41,9 @@ def verl_lr_factors(total, warmup=-1, ratio=0.0, cosine=False, min_lr_ratio=0.0)
             {"ratio": 0.3, "cosine": True, "min_lr_ratio": 0.25},
         ),
         (["lr_warmup_steps_ratio=0.25"], {"ratio": 0.25}),  # int(0.25 x 14) = 3 steps, rounded down
+        (["lr_warmup_steps=0", "lr_warmup_steps_ratio=0.25"], {"warmup": 0, "ratio": 0.25}),  # 0 takes the ratio
+        (["lr_warmup_steps=-5", "lr_warmup_steps_ratio=0.5"], {"warmup": -5, "ratio": 0.5}),
+        (["lr_warmup_steps=0"], {"warmup": 0}),
         (["lr_warmup_steps=20", "lr_scheduler_type=cosine"], {"warmup": 20, "cosine": True}),  # longer than the run
     ],
 )
@@ -59,7 +64,7 @@ def test_lr_schedule_equals_verls(overrides, verl):
     [
         (
             ["actor.optim.lr_warmup_steps=3", "actor.optim.lr_warmup_steps_ratio=0.1"],
-            "actor.optim.lr_warmup_steps_ratio is read only with actor.optim.lr_warmup_steps=-1",
+            r"actor.optim.lr_warmup_steps_ratio is read only with actor.optim.lr_warmup_steps=-1 \(or any <= 0\)",
         ),
         (
             ["critic.optim.min_lr_ratio=0.1"],
@@ -70,8 +75,8 @@ def test_lr_schedule_equals_verls(overrides, verl):
             "actor.optim.lr_scheduler_type='linear' is not one of constant, cosine",
         ),
         (
-            ["actor.optim.lr_warmup_steps=-2"],
-            r"actor.optim.lr_warmup_steps=-2 is outside its valid range -1 or \[0, inf\)",
+            ["actor.optim.lr_warmup_steps=2.5"],
+            r"actor.optim.lr_warmup_steps='2.5': expected int",
         ),
         (
             ["critic.optim.lr_warmup_steps_ratio=1.5"],

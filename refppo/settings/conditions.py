@@ -102,7 +102,8 @@ CRITIC_ROWS = when(
     lambda s: not s.config.critic.use_dynamic_bsz,
     "critic.use_dynamic_bsz=false (true sizes micro-batches by critic.ppo_max_token_len_per_gpu)",
 )
-WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps == -1, lambda s: f"{s.section}lr_warmup_steps=-1")
+# verl's engines take the warm-up from the ratio whenever lr_warmup_steps <= 0 (FSDPEngine._build_lr_scheduler)
+WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps <= 0, lambda s: f"{s.section}lr_warmup_steps=-1 (or any <= 0)")
 COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")
 KL_CTRL_TARGET = when(lambda s: s.owner.type != "fixed", "algorithm.kl_ctrl.type=adaptive or ppo_paper")
 KL_CTRL_ADAPTIVE = when(lambda s: s.owner.type == "adaptive", "algorithm.kl_ctrl.type=adaptive")

@@ -195,7 +195,7 @@ class OptimConfig:
     # at most 1: the decoupled decay multiplies the weights by 1 - lr x weight_decay
     weight_decay: float = setting(0.0, "[0, 1]")  # verl's default is 0.01
     betas: tuple[float, float] = setting((0.9, 0.999), "[0, 1)")
-    lr_warmup_steps: int = setting(-1, "-1 or [0, inf)")  # -1: lr_warmup_steps_ratio x trainer.total_training_steps
+    lr_warmup_steps: int = setting(-1, "(-inf, inf)")  # <= 0: lr_warmup_steps_ratio x trainer.total_training_steps
     lr_warmup_steps_ratio: float = setting(0.0, "[0, 1]", needs=WARMUP_BY_RATIO)
     lr_scheduler_type: str = setting("constant", LR_SCHEDULERS)
     min_lr_ratio: float = setting(0.0, "[0, 1]", needs=COSINE)  # the cosine's floor, a share of lr

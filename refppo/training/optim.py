@@ -14,7 +14,7 @@ def make_optimizer(params, optim: OptimConfig, total_steps: int):
     ``get_cosine_schedule_with_warmup``), the learning rate at step s being lr x factor(s):
 
     - warm-up, s < W: s / W, so the first update runs at lr 0, as in verl; W = ``lr_warmup_steps``,
-      or when that is -1 ``lr_warmup_steps_ratio`` x ``total_steps`` rounded down;
+      or when that is <= 0 ``lr_warmup_steps_ratio`` x ``total_steps`` rounded down;
     - then ``lr_scheduler_type=constant``: 1;
     - or ``cosine``: m + (1 - m)(1 + cos(pi p)) / 2, p = (s - W) / max(1, total_steps - W),
       m = ``min_lr_ratio``: from 1 to m at ``total_steps``.
@@ -25,7 +25,7 @@ def make_optimizer(params, optim: OptimConfig, total_steps: int):
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
     warmup = optim.lr_warmup_steps
     floor = optim.min_lr_ratio
-    if warmup == -1:
+    if warmup <= 0:
         warmup = int(optim.lr_warmup_steps_ratio * total_steps)
 
     def factor(step: int) -> float:
