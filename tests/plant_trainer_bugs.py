@@ -39,9 +39,9 @@ BUGS = [
     ),
     ("controller updated with n_steps=1", "n_steps=mask.shape[0])", "n_steps=1)"),
     (
-        "warm-up delays the actor without a critic",
-        "if not self.use_critic or self.step >= critic_only_steps(self.config.trainer.critic_warmup):",
-        "if self.step >= critic_only_steps(self.config.trainer.critic_warmup):",
+        "warm-up ignored without a critic (verl delays the actor)",
+        "if self.step >= critic_only_steps(critic_warmup(self.config)):",
+        "if not self.use_critic or self.step >= critic_only_steps(critic_warmup(self.config)):",
     ),
     (
         "lr logged before the schedule's step",

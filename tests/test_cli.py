@@ -188,6 +188,31 @@ def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
     assert (out / "metrics.jsonl").exists()
 
 
+def test_a_ppo_run_ended_by_its_epochs_keeps_the_schedule_of_total_training_steps(sft_run, tmp_path):
+    """As verl (``RayPPOTrainer._create_dataloader``): 16 prompts in batches of 8 end the run after
+    one epoch (2 steps), and the learning rate follows the cosine schedule of all 10 steps."""
+    from test_optim import verl_lr_factors
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(16)))
+    out = tmp_path / "ppo_epoch"
+    args = [
+        "ppo",
+        f"model.path={sft_run}/model",
+        f"trainer.output_dir={out}",
+        "data.task=file",
+        f"data.train_files={data}",
+        *FILE_PPO,
+        "trainer.total_training_steps=10",
+        "trainer.total_epochs=1",
+        "actor.optim.lr=1e-3",
+        "actor.optim.lr_scheduler_type=cosine",
+        "reward_model.reward_fn=refppo.tasks.arithmetic:exact_match_reward",
+    ]
+    assert main(args) == 0
+    assert logged(out, "actor/lr") == pytest.approx([1e-3 * f for f in verl_lr_factors(10, cosine=True)[1:3]], rel=1e-6)
+
+
 def rendered_and_right(prompts, responses, records):
     """A gsm8k-style rule reward: the answer from the record's ``reward_model.ground_truth``;
     -1 for a prompt that reached the reward function not rendered by the chat template."""

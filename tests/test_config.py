@@ -118,8 +118,13 @@ def test_bad_values():
         (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide model.num_attention_heads=4"),
         (["model.hidden_size=12"], "model.hidden_size / model.num_attention_heads = 3 must be even"),
         (
-            ["algorithm.adv_estimator=grpo", "rollout.n=2", "trainer.critic_warmup=2"],
-            "trainer.critic_warmup=2 is ignored: .* read only with algorithm.adv_estimator=gae",
+            [
+                "algorithm.adv_estimator=grpo",
+                "rollout.n=2",
+                "trainer.critic_warmup=4",
+                "trainer.total_training_steps=3",
+            ],
+            "trainer.critic_warmup=4 must be <= trainer.total_training_steps=3",
         ),
         (["sft.batch_size=0"], "sft.batch_size=0 is outside"),
         (["sft.steps=0"], "sft.steps=0 is outside"),

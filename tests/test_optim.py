@@ -98,3 +98,50 @@ def test_the_old_scheduler_key_points_to_verls_name():
         ValueError, match="unknown config key 'actor.optim.lr_scheduler'; did you mean actor.optim.lr_scheduler_type"
     ):
         apply_overrides(Config(), ["actor.optim.lr_scheduler=cosine"])
+
+
+def test_a_run_ended_by_its_epochs_keeps_the_schedule_of_total_training_steps():
+    """verl (``RayPPOTrainer._create_dataloader``; the V1 trainer's ``_init_dataloader`` alike) sets
+    ``optim.total_training_steps`` to ``trainer.total_training_steps`` when that is set, and ends the
+    run when ``trainer.total_epochs`` passes over the prompts are done: a run cut short by its
+    epochs keeps the long schedule. 100 prompts in batches of 16 give 6 steps an epoch."""
+    from _trainers import make_trainer
+
+    from refppo.training.fit import fit
+
+    lr = 3e-3
+    trainer = make_trainer(
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "trainer.total_training_steps=20",
+            "trainer.total_epochs=1",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "actor.optim.lr_scheduler_type=cosine",
+            "actor.optim.lr_warmup_steps_ratio=0.1",
+        ]
+    )
+    history = fit(trainer, progress_bar=False)
+    assert [row["step"] for row in history] == [1, 2, 3, 4, 5, 6]
+    after_each_step = [lr * f for f in verl_lr_factors(20, ratio=0.1, cosine=True)[1:7]]  # actor/lr: after s steps
+    assert [row["actor/lr"] for row in history] == pytest.approx(after_each_step, rel=1e-6)  # float32 metrics
+
+
+@pytest.mark.parametrize("steps, epochs", [(20, 1), (4, 1), (None, 2), (20, None), (None, 3)])
+def test_run_and_schedule_lengths_are_verls(steps, epochs):
+    """verl's ``RayPPOTrainer._create_dataloader``: the schedule spans ``total_training_steps`` when
+    set, else ``len(dataloader) * total_epochs``; ``fit`` stops at whichever ends first. 100 prompts
+    in batches of 16: 6 steps an epoch (the last partial batch dropped). refppo's null epochs bound
+    nothing."""
+    from refppo.training.data import schedule_steps, total_steps
+
+    overrides = ["data.train_batch_size=16", "trainer.critic_warmup=0"]
+    overrides.append(f"trainer.total_training_steps={'null' if steps is None else steps}")
+    if epochs is not None:
+        overrides.append(f"trainer.total_epochs={epochs}")
+    config = validate(apply_overrides(Config(), overrides))
+    loader = 100 // 16
+    verl_schedule = steps if steps is not None else loader * epochs
+    verl_run = verl_schedule if epochs is None else min(verl_schedule, loader * epochs)
+    assert (total_steps(config, 100), schedule_steps(config, 100)) == (verl_run, verl_schedule)

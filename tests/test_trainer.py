@@ -197,14 +197,21 @@ def test_validation_steps_are_verls(test_freq, val_before_train):
     assert validated == verl
 
 
-def test_without_a_critic_the_actor_is_updated_from_the_first_step():
-    # A warm-up has nothing to warm up without a critic.
-    trainer = make_trainer(
-        ["algorithm.adv_estimator=grpo", "rollout.n=2"], edit=lambda c: setattr(c.trainer, "critic_warmup", 5)
+def test_without_a_critic_a_warm_up_delays_the_actor_as_verls_fit_and_the_default_does_not():
+    """verl's ``RayPPOTrainer.fit`` (and the V1 trainer's ``_step_once``) updates the actor only
+    when ``critic_warmup <= global_steps``, outside its ``use_critic`` branch: with GRPO,
+    ``critic_warmup=3`` leaves the actor as it is at steps 1 and 2. refppo's default (null) is 0
+    without a critic."""
+    delayed = make_trainer(
+        ["algorithm.adv_estimator=grpo", "rollout.n=2"], edit=lambda c: setattr(c.trainer, "critic_warmup", 3)
     )
-    m = _run(trainer, 1)
-    assert "actor/pg_loss" in m[0]
-    assert trainer.learners["actor"].schedule.last_epoch == 1  # the actor's optimiser stepped
+    m = _run(delayed, 3)
+    assert ["actor/pg_loss" in row for row in m] == [False, False, True]
+    assert delayed.learners["actor"].schedule.last_epoch == 1  # the actor's optimiser stepped once
+    default = make_trainer(
+        ["algorithm.adv_estimator=grpo", "rollout.n=2"], edit=lambda c: setattr(c.trainer, "critic_warmup", None)
+    )
+    assert "actor/pg_loss" in _run(default, 1)[0]
 
 
 def test_lr_metrics_are_the_rate_after_the_schedules_step_and_warm_up_starts_at_zero():

@@ -55,7 +55,7 @@ from refppo.settings.validate import format_value, ignored_settings, read_settin
 from refppo.settings.verl_map import verl_command, verl_yaml
 from refppo.settings.verl_names import translate
 from refppo.tasks import preference
-from refppo.training.data import preference_sft_examples, sft_examples, task_data, total_steps
+from refppo.training.data import preference_sft_examples, sft_examples, task_data
 
 # flags that print the run in verl's form instead of running it
 PRINTS = ("--print-verl", "--print-verl-yaml")
@@ -375,7 +375,6 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     check_rollouts_fit(config, world, device)
     train, val, task_reward = task_data(config, tokenizer)
     check_batch_fits(config.data.train_batch_size, len(train), "data.train_batch_size", "training prompts")
-    config.trainer.total_training_steps = total_steps(config, len(train))
     validate(config, "ppo")
     torch.manual_seed(config.trainer.seed)
     actor = _ppo_actor(config, tokenizer, device)

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from refppo.settings.conditions import critic_only_steps
+from refppo.settings.conditions import critic_only_steps, critic_warmup
 from refppo.settings.config import Config, config_from_dict
 
 CLIP_FRACTION = 0.05  # actor/pg_clipfrac
@@ -74,7 +74,7 @@ class Threshold:
     after_warmup: bool = False
 
     def __call__(self, rows: list[dict], config: Config) -> Finding | None:
-        warmup = critic_only_steps(config.trainer.critic_warmup) if self.after_warmup else 0
+        warmup = critic_only_steps(critic_warmup(config)) if self.after_warmup else 0
         value = _mean(_late(rows, self.key, warmup))
         if value is None or (value <= self.limit if self.above else value >= self.limit):
             return None

@@ -167,7 +167,7 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
             notes.append(f"{folder.name} does not load ({type(e).__name__}: {e}); left in place")
             continue
         total = config.trainer.total_training_steps
-        if step > total:
+        if total is not None and step > total:
             raise ValueError(
                 f"cannot resume {str(path)!r}: its checkpoint is at step {step}, beyond "
                 f"trainer.total_training_steps={total}. Nothing was changed; ask for at least {step} steps"

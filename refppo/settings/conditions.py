@@ -27,10 +27,18 @@ def critic_only_steps(critic_warmup: int) -> int:
     return max(critic_warmup - 1, 0)
 
 
-WARMUP = when(  # a warm-up of no steps is accepted without a critic too: verl's GRPO scripts set 0
-    lambda s: HAS_CRITIC(s) is None or critic_only_steps(s.config.trainer.critic_warmup) == 0,
-    lambda s: HAS_CRITIC(s),
-)
+FRESH_CRITIC_WARMUP = 6  # refppo's default warm-up with a critic: a fresh value head follows the returns
+
+
+def critic_warmup(config) -> int:
+    """``trainer.critic_warmup``, or when null refppo's default: :data:`FRESH_CRITIC_WARMUP` with a
+    critic, 0 without. verl's ``fit`` skips the actor's update while ``critic_warmup >
+    global_steps`` whether or not there is a critic (``RayPPOTrainer.fit``; the V1 trainer's
+    ``_step_once`` in ``verl/trainer/ppo/v1/trainer_base.py`` alike), so a given value delays a
+    critic-less actor too."""
+    if config.trainer.critic_warmup is not None:
+        return config.trainer.critic_warmup
+    return FRESH_CRITIC_WARMUP if needs_critic(config.algorithm.adv_estimator) else 0
 
 
 def policy_loss_in_use(config) -> str:

@@ -63,7 +63,6 @@ from refppo.settings.conditions import (
     RULE_SCORES,
     TINY_MODEL,
     VAL_SAMPLING,
-    WARMUP,
     WARMUP_BY_RATIO,
     critic_setting,
 )
@@ -446,7 +445,9 @@ class AlgorithmConfig:
 class TrainerConfig:
     """``trainer.*`` (verl's ``trainer.*``): steps, device, the run folder, checkpoints and evaluation."""
 
-    total_training_steps: int = setting(1500, COUNT, resumable=True)
+    # the run's length and the learning-rate schedules'; null (verl's default): the steps that
+    # trainer.total_epochs passes over the prompts make
+    total_training_steps: int | None = setting(1500, COUNT, resumable=True)
     # below 2**32 as numpy's seeds: refppo derives further seeds from it by adding offsets
     seed: int = setting(0, "[0, 4294967295]", commands=COMMANDS)
     device: str = setting("auto", DEVICES, commands=COMMANDS, resumable=True)
@@ -462,8 +463,9 @@ class TrainerConfig:
     resume: bool = setting(False, resumable=True, unread_because="it saves no checkpoints")
     # verl's count: the actor is updated from step critic_warmup on (steps counted from 1), so
     # critic_warmup - 1 steps update only the critic (critic_only_steps); 0 and 1 warm up nothing.
-    # Without a critic there is nothing to warm up: the actor is updated from the first step.
-    critic_warmup: int = setting(6, NONNEG, needs=WARMUP)
+    # As in verl, it delays the actor without a critic too. null: refppo's default, 6 with a critic
+    # (this book's fresh value heads need them) and 0 without (conditions.critic_warmup)
+    critic_warmup: int | None = setting(None, NONNEG)
     # verl's: the run also ends after this many passes over the training prompts (whole batches,
     # as verl's loader drops the last partial one); null: trainer.total_training_steps alone
     total_epochs: int | None = setting(None, COUNT, resumable=True)

@@ -9,10 +9,10 @@ import math
 
 import torch
 
-from refppo.advantages import TOKEN_BASELINES, needs_critic
+from refppo.advantages import TOKEN_BASELINES
 from refppo.algorithms.rollout_correction import is_bounds, rs_thresholds
 from refppo.guards.checks import in_range
-from refppo.settings.conditions import critic_only_steps
+from refppo.settings.conditions import critic_only_steps, critic_warmup
 from refppo.settings.config import ActorConfig, Config, critic_setting, declarations, get_value, is_optional, owner_of
 from refppo.settings.declare import Declaration, Site
 from refppo.tasks import arithmetic
@@ -284,8 +284,13 @@ def _check_combinations(config: Config) -> None:
     t = config.trainer
     rm = config.reward_model
     _require(
-        not needs_critic(alg.adv_estimator) or critic_only_steps(t.critic_warmup) < t.total_training_steps,
-        f"trainer.critic_warmup={t.critic_warmup} must be <= trainer.total_training_steps={t.total_training_steps}: "
+        t.total_training_steps is not None or t.total_epochs is not None,
+        "trainer.total_training_steps=null needs trainer.total_epochs: null counts the steps of its passes",
+    )
+    warmup = critic_warmup(config)
+    _require(
+        t.total_training_steps is None or critic_only_steps(warmup) < t.total_training_steps,
+        f"trainer.critic_warmup={warmup} must be <= trainer.total_training_steps={t.total_training_steps}: "
         "the actor is first updated at step critic_warmup",
     )
     _require(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from refppo.settings.conditions import CRITIC_FROM_ACTOR, critic_setting
+from refppo.settings.conditions import CRITIC_FROM_ACTOR, critic_setting, critic_warmup
 from refppo.settings.config import Config, declarations, get_value
 from refppo.settings.validate import format_value, ignored_settings, read_settings
 from refppo.settings.verl_names import ADDED, VALUES, verl_key
@@ -73,13 +73,13 @@ OTHER_DEFAULTS = {
     "actor.clip_ratio_high": (0.2, "null takes actor.clip_ratio, so one setting moves both bounds"),
     "actor.policy_loss": ("vanilla", "the same loss, named clip for chapter 3 (vanilla is accepted)"),
     "actor.use_torch_compile": (True, "null: on with CUDA, off on a CPU, where compiling costs more than it saves"),
-    "trainer.total_training_steps": (None, "refppo counts steps (verl counts trainer.total_epochs unless set)"),
+    "trainer.total_training_steps": (None, f"{TINY_RUNS} are bounded in steps (null: trainer.total_epochs' steps)"),
     "trainer.total_epochs": (30, "a step count bounds refppo's runs; epochs bound them too when set"),
     "trainer.device": ("cuda", "CUDA when there is one, else the CPU"),
     "trainer.output_dir": ("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "runs/<command>"),
     "trainer.save_freq": (-1, "a run never loses work: a checkpoint every 100 steps"),
     "trainer.test_freq": (-1, "the book plots held-out scores through a run"),
-    "trainer.critic_warmup": (0, "a fresh critic needs a few steps to follow the returns (read only with a critic)"),
+    "trainer.critic_warmup": (0, "a fresh critic needs a few steps to follow the returns (null: 6 with a critic)"),
     "actor.shuffle": (
         False,
         "textbook PPO (the PPO paper's minibatch SGD, CleanRL) draws each epoch's mini-batches afresh",
@@ -97,7 +97,7 @@ FOR_TINY_MODELS = (
     "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
     "model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing", "actor.optim.lr",
     "critic.optim.lr", "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.ppo_mini_batch_size",
-    "actor.shuffle",
+    "actor.shuffle", "trainer.total_training_steps",
     "trainer.save_freq", "trainer.test_freq", "trainer.critic_warmup", "trainer.total_epochs",
 )  # fmt: skip
 
@@ -152,6 +152,8 @@ def effective_value(config: Config, key: str):
         return config.critic.model.path or config.model.path
     if key in ("actor.clip_ratio_low", "actor.clip_ratio_high"):
         return config.actor.clip_ratio if value is None else value
+    if key == "trainer.critic_warmup":
+        return critic_warmup(config)
     if key == "reward_model.max_resp_len" and value is None:  # verl's DAPO manager needs it given
         return config.data.max_response_length
     return value

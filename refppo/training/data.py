@@ -173,11 +173,24 @@ def load_records(
 def total_steps(config: Config, prompts: int) -> int:
     """A PPO run's step count over ``prompts`` training prompts: ``trainer.total_training_steps``,
     or fewer when ``trainer.total_epochs`` passes over them end sooner (whole batches, as verl's
-    loader drops an epoch's last partial one)."""
+    loader drops an epoch's last partial one); with ``total_training_steps`` null, the epochs'."""
     t = config.trainer
     if t.total_epochs is None:
         return t.total_training_steps
-    return min(t.total_training_steps, t.total_epochs * (prompts // config.data.train_batch_size))
+    epoch_steps = t.total_epochs * (prompts // config.data.train_batch_size)
+    if t.total_training_steps is None:
+        return epoch_steps
+    return min(t.total_training_steps, epoch_steps)
+
+
+def schedule_steps(config: Config, prompts: int) -> int:
+    """The steps a learning-rate schedule spans: ``trainer.total_training_steps`` even when
+    ``trainer.total_epochs`` ends the run sooner, or when it is null the run's steps, as verl's
+    ``RayPPOTrainer._create_dataloader`` sets ``optim.total_training_steps`` (``prompts``: the
+    training prompts)."""
+    if config.trainer.total_training_steps is None:
+        return total_steps(config, prompts)
+    return config.trainer.total_training_steps
 
 
 def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], object]:

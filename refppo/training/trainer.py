@@ -18,7 +18,7 @@ Evaluate, without gradients
 
 Update
 
-7. the critic's, then 8. the actor's (with a critic, from step ``trainer.critic_warmup`` on, as verl counts):
+7. the critic's, then 8. the actor's (from step ``trainer.critic_warmup`` on, as verl counts):
    ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a row count,
    or of a token budget with ``use_dynamic_bsz``), each model with its own optimiser, gradient
    clipping and LR schedule (:mod:`refppo.training.update`). Rows are reshuffled every epoch, as
@@ -75,10 +75,10 @@ from refppo.rollout.forward import compute_scores, response_values
 from refppo.rollout.generation import generate, row_uniforms
 from refppo.rollout.models import make_reference
 from refppo.rollout.prompts import decode_texts, tokenize_records
-from refppo.settings.conditions import critic_only_steps, policy_loss_in_use
+from refppo.settings.conditions import critic_only_steps, critic_warmup, policy_loss_in_use
 from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
-from refppo.training.data import EpochSampler
+from refppo.training.data import EpochSampler, schedule_steps
 from refppo.training.dynamic_sampling import DynamicSampling
 from refppo.training.metrics import (
     data_metrics,
@@ -173,7 +173,8 @@ class PPOTrainer:
         """``role``'s model ("actor" or "critic") with its optimiser and learning-rate schedule."""
         c = self.config
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer, schedule = make_optimizer(params, getattr(c, role).optim, c.trainer.total_training_steps)
+        steps = schedule_steps(c, len(self.sampler.records))
+        optimizer, schedule = make_optimizer(params, getattr(c, role).optim, steps)
         return Learner(name=role, model=model, params=params, optimizer=optimizer, schedule=schedule)
 
     def _update_settings(self, role: str) -> UpdateSettings:
@@ -466,8 +467,8 @@ class PPOTrainer:
 
     # ---- update: steps 7 and 8 ------------------------------------------------------------
     def update(self, batch: dict[str, torch.Tensor], timing: dict) -> tuple[list[dict], list[dict]]:
-        """Steps 7 and 8: the critic's update, then the actor's (with a critic, from step
-        ``trainer.critic_warmup`` on, counted from 1 as verl counts: :func:`critic_only_steps`).
+        """Steps 7 and 8: the critic's update, then the actor's (from step ``trainer.critic_warmup``
+        on, counted from 1 as verl counts, with or without a critic: :func:`critic_only_steps`).
 
         Args:
             batch: an evaluated batch (see :meth:`make_experience`).
@@ -480,7 +481,7 @@ class PPOTrainer:
         if self.use_critic:
             critic_stats = self.update_model(self.learners["critic"], self._critic_loss, batch, timing)
         actor_stats = []
-        if not self.use_critic or self.step >= critic_only_steps(self.config.trainer.critic_warmup):
+        if self.step >= critic_only_steps(critic_warmup(self.config)):
             actor_stats = self.update_model(self.learners["actor"], self._actor_loss, batch, timing)
         return critic_stats, actor_stats
 
