@@ -325,7 +325,7 @@ def test_new_policy_loss_trains_and_logs_only_its_own_metrics():
 
 
 def test_new_policy_loss_gradient_is_its_formula():
-    trainer = make_trainer(["actor.policy_loss=test_vanilla_pg", "actor.grad_clip=1e9"])
+    trainer = make_trainer(["actor.policy_loss=test_vanilla_pg", "actor.optim.clip_grad=1e9"])
     batch, _ = trainer.make_experience(RECORDS[:16], {})
     terms, _ = trainer._actor_loss(batch)
     (g,) = torch.autograd.grad(micro_batch_loss(terms), [trainer.actor.lm_head.weight])

@@ -24,7 +24,12 @@ from refppo.training.metrics import data_metrics, gather
 # other orders (micro-batches, blocks), over a 32-wide hidden state and a 50-token vocabulary, of
 # values (log-probs, entropies, values) smaller than 10 in size (_tolerances, rule 1).
 PASSES = reordered(32 + 50) * 10
-BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.grad_clip=1e9", "critic.grad_clip=1e9"]
+BATCH = [
+    "data.train_batch_size=8",
+    "actor.ppo_mini_batch_size=8",
+    "actor.optim.clip_grad=1e9",
+    "critic.optim.clip_grad=1e9",
+]
 
 
 def plain_forward(model, batch, temperature=1.0):

@@ -127,14 +127,14 @@ def test_full_paths_and_short_keys_set_the_same_setting():
             "critic.optim.lr=1e-5",
             "algorithm.rollout_correction.rollout_is=token",
             "actor.policy_loss=clip",
-            "actor.grad_clip=0.5",
+            "actor.optim.clip_grad=0.5",
             "reward_model.enable=false",
             "trainer.output_dir=runs/x",
             "trainer.resume=true",
             "trainer.logger=console,tensorboard",
         ],
     )
-    assert full == short and short.actor.grad_clip == 0.5 and short.trainer.logger == ("console", "tensorboard")
+    assert full == short and short.actor.optim.clip_grad == 0.5 and short.trainer.logger == ("console", "tensorboard")
 
 
 def test_engine_settings_are_noted_and_change_nothing():
@@ -745,3 +745,19 @@ def test_a_verl_line_with_a_custom_reward_function_trains_on_it(chat_model, tmp_
     assert rows[-1]["critic/score/mean"] == pytest.approx(0.25)
     with pytest.raises(ValueError, match="both give the training score"):
         command_settings("ppo", [*line, "reward_model.reward_fn=my.module:fn"])
+
+
+def test_the_gradient_clip_is_verls_optim_clip_grad():
+    """verl 0.9 clips at ``optim.clip_grad`` (``FSDPEngine.optimizer_step`` in
+    ``verl/workers/engine/fsdp/transformer_impl.py``); ``FSDPActorConfig.grad_clip`` and the
+    critic's have no reader, and ``optim.grad_clip`` is a deprecated spelling that
+    ``OptimizerConfig.__post_init__`` copies into ``clip_grad``."""
+    config, notes = command_settings(
+        "ppo", ["actor_rollout_ref.actor.grad_clip=0.5", "critic.grad_clip=0.25", "critic.optim.clip_grad=2"]
+    )
+    assert (config.actor.optim.clip_grad, config.critic.optim.clip_grad) == (1.0, 2.0)
+    assert sum(n.endswith("optim.clip_grad (verl leaves it unread too)") for n in notes) == 2, notes
+    with pytest.raises(
+        ValueError, match="actor_rollout_ref.actor.optim.grad_clip is now actor_rollout_ref.actor.optim.clip_grad"
+    ):
+        command_settings("ppo", ["actor_rollout_ref.actor.optim.grad_clip=0.5"])

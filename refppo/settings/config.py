@@ -194,6 +194,7 @@ class OptimConfig:
     # at most 1: the decoupled decay multiplies the weights by 1 - lr x weight_decay
     weight_decay: float = setting(0.0, "[0, 1]")  # verl's default is 0.01
     betas: tuple[float, float] = setting((0.9, 0.999), "[0, 1)")
+    clip_grad: float = setting(1.0, "(0, inf]")  # the gradient's norm is clipped to this before each step
     lr_warmup_steps: int = setting(-1, "(-inf, inf)")  # <= 0: lr_warmup_steps_ratio x trainer.total_training_steps
     lr_warmup_steps_ratio: float = setting(0.0, "[0, 1]", needs=WARMUP_BY_RATIO)
     lr_scheduler_type: str = setting("constant", LR_SCHEDULERS)
@@ -250,7 +251,6 @@ class ActorConfig:
     # each response token's sum_v pi_v^2 from the old-log-prob pass, which the optimal token
     # baselines read (verl's name)
     calculate_sum_pi_squared: bool = setting(False, needs=OLD_LOG_PROB_PASS)
-    grad_clip: float = setting(1.0, "(0, inf]")
     # The log-prob passes (old, reference, update) reduce their logits with kernels made by
     # torch.compile, one per block instead of several float32 passes (verl's name). null: on with
     # CUDA, off on a CPU. The first steps compile them, once per process.
@@ -329,7 +329,6 @@ class CriticConfig:
     cliprange_value: float | None = setting(0.5, POSITIVE)
     loss_agg_mode: str | None = setting(None, LOSS_AGG_MODES)  # None: actor.loss_agg_mode (as verl interpolates)
     loss_scale_factor: float | None = setting(None, POSITIVE, needs=CRITIC_NORM)  # None: actor.loss_scale_factor
-    grad_clip: float = setting(1.0, "(0, inf]")
 
 
 @dataclass

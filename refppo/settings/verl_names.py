@@ -29,8 +29,6 @@ FULL = "actor_rollout_ref."
 NAMES = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
     **{f"actor_rollout_ref.actor.policy_loss.{k}": f"actor.{k}" for k in POLICY_LOSS_SETTINGS},
-    "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
-    "critic.optim.clip_grad": "critic.grad_clip",
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.model_path": "reward_model.model.path",
     "trainer.default_local_dir": "trainer.output_dir",
@@ -71,6 +69,10 @@ ADDED = {
 UNREAD_BY_VERL = {
     # verl's _load_checkpoint reads it only with resume_mode=resume_path, which refppo refuses
     "trainer.resume_from_path": "read only with trainer.resume_mode=resume_path",
+    # FSDPActorConfig.grad_clip and the critic's have no reader in verl 0.9: its engine clips at
+    # optim.clip_grad (FSDPEngine.optimizer_step)
+    "actor_rollout_ref.actor.grad_clip": "verl clips the gradient at actor_rollout_ref.actor.optim.clip_grad",
+    "critic.grad_clip": "verl clips the gradient at critic.optim.clip_grad",
     "actor_rollout_ref.actor.policy_loss.tau_pos": "verl's SAPO loss reads actor.tau_pos",
     "actor_rollout_ref.actor.policy_loss.tau_neg": "verl's SAPO loss reads actor.tau_neg",
     **{f"algorithm.pf_ppo.{k}": "read only with algorithm.use_pf_ppo=true" for k in ("reweight_method", "weight_pow")},
@@ -225,6 +227,11 @@ RENAMED = {
     "algorithm.rollout_correction.rollout_is=token (rollout_correction)",
     "actor.rollout_is_threshold": "algorithm.rollout_correction.rollout_is_threshold",
     "trainer.tensorboard": "trainer.logger=[console,tensorboard]",
+    # verl's deprecated spelling, which OptimizerConfig.__post_init__ copies into clip_grad
+    **{
+        f"{opt}.grad_clip": f"{opt}.clip_grad"
+        for opt in ("actor_rollout_ref.actor.optim", "actor.optim", "critic.optim")
+    },
 }
 # verl settings of its engine: how it places, shards, serves and logs, never what it computes.
 # A key ending in "." stands for every key under it.

@@ -190,7 +190,7 @@ class PPOTrainer:
             mini_rows=setting("ppo_mini_batch_size") * c.rollout.n,
             micro_rows=getattr(c, role).ppo_micro_batch_size_per_gpu,
             shuffle=setting("shuffle"),
-            grad_clip=getattr(c, role).grad_clip,
+            grad_clip=getattr(c, role).optim.clip_grad,
             passes=self.accel.actor if role == "actor" else self.accel.critic,
         )
 
