@@ -159,6 +159,8 @@ def test_engine_settings_are_noted_and_change_nothing():
         ("actor.policy_mode=bypass", "actor.policy_mode is now algorithm.rollout_correction.bypass_mode=true"),
         ("actor.rollout_is_threshold=2", "is now algorithm.rollout_correction.rollout_is_threshold"),
         ("trainer.tensorboard=true", r"is now trainer.logger=\[console,tensorboard\]"),
+        # verl's build_optimizer passes the dict to the optimizer (verl/workers/config/optimizer.py)
+        ("+actor_rollout_ref.actor.optim.override_optimizer_config.eps=1e-5", "keyword arguments to the optimizer"),
     ],
 )
 def test_what_refppo_lacks_or_renamed_is_refused_by_name(override, message):

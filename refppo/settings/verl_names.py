@@ -218,6 +218,12 @@ NOT_IMPLEMENTED = {
     "sandbox_fusion.url": "rewards from running code in a sandbox",
     **{f"skip.{part}.enable": "replaying saved rollouts" for part in ("rollout", "async_rollout", "rollout_tq")},
     "actor_rollout_ref.model.lora.": "Megatron's LoRA (refppo's LoRA is PEFT's: model.lora_rank, model.lora_alpha)",
+    # verl's build_optimizer (verl/workers/config/optimizer.py) passes these to the optimizer
+    **{
+        f"{opt}.override_optimizer_config{k}": "keyword arguments to the optimizer beyond lr, betas and weight_decay"
+        for opt in ("actor_rollout_ref.actor.optim", "critic.optim")
+        for k in ("", ".")
+    },
 }
 VALUES = {("actor.policy_loss", "vanilla"): "clip"}  # verl's name of a value -> refppo's
 # a verl setting whose values are refppo settings
@@ -283,12 +289,19 @@ ENGINE = (
     "actor_rollout_ref.rollout.moe_tensor_parallel_size",
     *(f"actor_rollout_ref.{r}.{engine}." for r in ("actor", "ref") for engine in ("megatron", "veomni", "mindspeed")),
     "actor_rollout_ref.actor.engine.", "critic.megatron.",
-    "actor_rollout_ref.actor.optim.override_optimizer_config.",
+    # Megatron's optimizer-offload options, given through override_optimizer_config (memory only);
+    # its other keys go to the optimizer itself (build_optimizer: AdamW's eps, ...): NOT_IMPLEMENTED
+    *(
+        f"actor_rollout_ref.actor.optim.override_optimizer_config.{k}"
+        for k in (
+            "optimizer_cpu_offload", "optimizer_offload_fraction", "offload_fraction",
+            "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
+        )
+    ),
     "actor_rollout_ref.actor.pad_to_length", "actor_rollout_ref.ref.pad_to_length",
     # PrefixGrouper: a group's shared prompt attended once (verl/models/transformers/monkey_patch.py),
     # the same log-probs to rounding, and the groups kept together in verl's GPU balancing
     "actor_rollout_ref.actor.use_prefix_grouper",
-    "actor_rollout_ref.actor.optim.override_optimizer_config", "critic.optim.override_optimizer_config",
     "actor_rollout_ref.model.tiled_mlp.", "critic.model.tiled_mlp.", "actor_rollout_ref.model.fused_kernel_options.",
     "critic.model.fused_kernel_options.", "critic.model.use_fused_kernels", "actor_rollout_ref.actor.use_fused_kernels",
     "actor_rollout_ref.rollout.full_determinism", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
