@@ -359,7 +359,8 @@ def compute_value_loss(
         returns: (batch, T) targets (advantages + old values from GAE).
         values: (batch, T) old values recorded at rollout time.
         response_mask: (batch, T) 0/1.
-        cliprange_value: c, > 0; None turns clipping off.
+        cliprange_value: c, >= 0 (verl's range; at 0 the clipped term is the old value's error); None
+            turns clipping off.
         loss_agg_mode, loss_scale_factor: see agg_loss.
 
     Returns:
@@ -367,7 +368,7 @@ def compute_value_loss(
         vf_clipfrac: fraction of valid tokens where the clipped error was larger.
     """
     if cliprange_value is not None:
-        check_number("cliprange_value", cliprange_value, "(0, inf)")
+        check_number("cliprange_value", cliprange_value, "[0, inf)")
     check_loss_inputs(response_mask, vpreds=vpreds, returns=returns, values=values)
     vf_losses1 = (vpreds - returns) ** 2
     if cliprange_value is None:

@@ -326,7 +326,7 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=CRITIC_ROWS, resumable=True)
     use_dynamic_bsz: bool = setting(False, resumable=True)  # as actor.use_dynamic_bsz, for the update and values
     ppo_max_token_len_per_gpu: int = setting(32768, COUNT, needs=DYNAMIC_BSZ, resumable=True)
-    cliprange_value: float | None = setting(0.5, POSITIVE)
+    cliprange_value: float | None = setting(0.5, NONNEG)  # verl's: 0 is valid; null is refppo's (no clip)
     loss_agg_mode: str | None = setting(None, LOSS_AGG_MODES)  # None: actor.loss_agg_mode (as verl interpolates)
     loss_scale_factor: float | None = setting(None, POSITIVE, needs=CRITIC_NORM)  # None: actor.loss_scale_factor
 
