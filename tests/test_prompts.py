@@ -18,12 +18,16 @@ from refppo.settings.overrides import command_settings
 def test_prompt_length_limit(tok):
     with pytest.raises(ValueError, match="prompt 1 has 7 tokens, more than max_prompt_length=5"):
         tokenize_prompts(tok, ["1+1=", "12+34="], max_prompt_length=5)
-    ids, mask = tokenize_prompts(tok, ["1+1=", "12+34="], max_prompt_length=5, truncation="right")
+    # verl's postprocess_data (verl/utils/torch_functional.py): "left" cuts from the left, keeping
+    # input_ids[:, -max_length:]; "right" keeps [:, :max_length]; "middle" the halves around the cut
+    ids, mask = tokenize_prompts(tok, ["1+1=", "12+34="], max_prompt_length=5, truncation="left")
     assert tok.decode(ids[1]) == "2+34="
-    ids, _ = tokenize_prompts(tok, ["12+34="], max_prompt_length=5, truncation="left")
+    ids, _ = tokenize_prompts(tok, ["12+34="], max_prompt_length=5, truncation="right")
     assert tok.decode(ids[0]) == "<bos>12+3"
-    with pytest.raises(ValueError, match="unknown truncation 'middle'"):
-        tokenize_prompts(tok, ["1"], max_prompt_length=5, truncation="middle")
+    ids, _ = tokenize_prompts(tok, ["12+34="], max_prompt_length=5, truncation="middle")
+    assert tok.decode(ids[0]) == "<bos>134="
+    with pytest.raises(ValueError, match="unknown truncation 'centre'"):
+        tokenize_prompts(tok, ["1"], max_prompt_length=5, truncation="centre")
 
 
 def test_records_are_tokenized_under_the_data_settings_and_decoded_back(tok):
@@ -31,9 +35,9 @@ def test_records_are_tokenized_under_the_data_settings_and_decoded_back(tok):
     records = [{"question": "1+1="}, {"question": "12+34="}]
     with pytest.raises(ValueError, match="prompt 1 has 7 tokens"):
         tokenize_records(tok, records, data)
-    data.truncation = "right"
+    data.truncation = "left"  # the end of the prompt, next to the response
     ids, mask = tokenize_records(tok, records, data)
-    assert torch.equal(ids, tokenize_prompts(tok, ["1+1=", "12+34="], 5, "right")[0])
+    assert torch.equal(ids, tokenize_prompts(tok, ["1+1=", "12+34="], 5, "left")[0])
     # responses "2<eos><pad>" and "46<eos>": the texts leave out BOS, EOS and padding
     responses = torch.tensor([[tok.convert_tokens_to_ids("2"), tok.eos_token_id, tok.pad_token_id], [0, 0, 0]])
     responses[1] = torch.tensor(tok.convert_tokens_to_ids(["4", "6"]) + [tok.eos_token_id])

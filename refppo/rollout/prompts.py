@@ -116,6 +116,18 @@ def _render_chat(tokenizer, chat: Sequence[dict], name: str, kwargs: dict) -> st
         raise ValueError(f"{name}: the tokenizer's chat template refuses this chat (roles: {roles}): {error}") from None
 
 
+def truncated(seq: list[int], max_length: int, truncation: str) -> list[int]:
+    """``seq`` cut to ``max_length`` tokens as verl's ``postprocess_data`` cuts a prompt: "left"
+    keeps the last ``max_length``, "right" the first, "middle" the first ``max_length // 2`` and
+    the rest from the end."""
+    if truncation == "left":
+        return seq[-max_length:]
+    if truncation == "right":
+        return seq[:max_length]
+    left_half = max_length // 2
+    return seq[:left_half] + seq[len(seq) - (max_length - left_half) :]
+
+
 def tokenize_prompts(
     tokenizer,
     prompts: Sequence,
@@ -130,8 +142,10 @@ def tokenize_prompts(
         tokenizer: a tokenizer prepared by ``refppo.rollout.models.prepare_tokenizer``.
         prompts: N texts or chats.
         max_prompt_length: longest allowed prompt in tokens; None for no limit.
-        truncation: what a longer prompt gets (verl's ``data.truncation``): "error", or keep
-            its "left" part, or its "right" part (the end, next to the response).
+        truncation: what a longer prompt gets, as verl's ``data.truncation`` means it
+            (``postprocess_data`` in ``verl/utils/torch_functional.py``): "error"; "left" cuts
+            tokens from the left (keeps the end, next to the response); "right" from the right
+            (keeps the start); "middle" keeps the first half and the last half.
         chat_template_kwargs: keyword arguments to the chat template (:func:`encode_prompts`).
 
     Returns:
@@ -149,9 +163,9 @@ def tokenize_prompts(
                 if truncation == "error":
                     raise ValueError(
                         f"prompt {i} has {len(seq)} tokens, more than max_prompt_length={max_prompt_length} "
-                        "(raise the limit or set truncation to 'left' or 'right')"
+                        "(raise the limit or set truncation to 'left', 'right' or 'middle')"
                     )
-                ids[i] = seq[:max_prompt_length] if truncation == "left" else seq[-max_prompt_length:]
+                ids[i] = truncated(seq, max_prompt_length, truncation)
     return left_pad(ids, tokenizer.pad_token_id)
 
 

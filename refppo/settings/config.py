@@ -86,7 +86,7 @@ __all__ = [
 
 TASKS = ("arithmetic", "preference", "file")
 # what a prompt longer than data.max_prompt_length gets (verl's data.truncation; refppo.rollout.prompts)
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 LR_SCHEDULERS = ("constant", "cosine")

@@ -162,7 +162,7 @@ def load_records(
             elif not drop_overlong:
                 raise ValueError(
                     f"{where}: the prompt has {length} tokens, more than data.max_prompt_length={max_prompt_length} "
-                    "(raise it, or set data.truncation=left or right, or data.filter_overlong_prompts=true)"
+                    "(raise it, or set data.truncation=left, right or middle, or data.filter_overlong_prompts=true)"
                 )
         if not kept:
             raise ValueError(f"{path}: every prompt has more than data.max_prompt_length={max_prompt_length} tokens")
