@@ -26,6 +26,19 @@ def test_an_unshuffled_sampler_serves_the_records_in_order():
     assert seen == list(range(10)) * 2
 
 
+def test_a_ppo_sampler_drops_an_epochs_last_partial_batch_as_verls_loader():
+    """verl's PPO data loader drops the last partial batch (``drop_last=True`` in
+    ``RayPPOTrainer._create_dataloader`` and the V1 trainer's ``_init_dataloader``) and starts the
+    next epoch: 10 prompts in batches of 4 serve 0-3, 4-7, then 0-3 again; shuffled, each batch
+    lies within one epoch's order."""
+    sampler = EpochSampler([{"i": i} for i in range(10)], 4, seed=0, shuffle=False, drop_last=True)
+    batches = [[r["i"] for r in sampler.next_batch()] for _ in range(4)]
+    assert batches == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]]
+    shuffled = EpochSampler([{"i": i} for i in range(10)], 4, seed=3, drop_last=True)
+    served = [[r["i"] for r in shuffled.next_batch()] for _ in range(4)]
+    assert len({*served[0], *served[1]}) == 8 and len({*served[2], *served[3]}) == 8
+
+
 # verl's data format (e.g. its gsm8k preprocessing): the prompt is a chat, the answer in a struct.
 CHAT_RECORDS = [
     {

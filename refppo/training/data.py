@@ -25,15 +25,19 @@ class EpochSampler:
         batch_size: records per batch.
         seed: the order of epoch e is a permutation drawn from seed + e.
         shuffle: False: every epoch in the list's order (``data.shuffle=false``).
+        drop_last: True: an epoch's last partial batch is left out and the next batch starts the
+            next epoch, as verl's PPO data loader (``drop_last=True``); False: a batch runs on
+            into the next epoch, so every record is served.
     """
 
-    def __init__(self, records: list[dict], batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, records: list[dict], batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = False):
         if not records:
             raise ValueError("the dataset is empty")
         self.records = records
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
+        self.drop_last = drop_last
         self.epoch = 0
         self.cursor = 0
 
@@ -44,7 +48,10 @@ class EpochSampler:
         return torch.randperm(len(self.records), generator=gen).tolist()
 
     def next_batch(self) -> list[dict]:
-        """The next ``batch_size`` records (an epoch boundary continues into the next epoch)."""
+        """The next ``batch_size`` records (at an epoch boundary: see ``drop_last``)."""
+        if self.drop_last and self.cursor + self.batch_size > len(self.records):
+            self.epoch += 1
+            self.cursor = 0
         out = []
         while len(out) < self.batch_size:
             order = self._order()

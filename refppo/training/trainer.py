@@ -160,7 +160,9 @@ class PPOTrainer:
         self.sampling_model = self.accel.decoder(actor, c.data.max_prompt_length + c.data.max_response_length)
         for model in (actor, self.reference, critic, reward_model):  # under torchrun: FSDP2
             distributed.shard(model, world)
-        self.sampler = EpochSampler(train_records, c.data.train_batch_size, c.trainer.seed, shuffle=c.data.shuffle)
+        self.sampler = EpochSampler(
+            train_records, c.data.train_batch_size, c.trainer.seed, shuffle=c.data.shuffle, drop_last=True
+        )
         self.kl_ctrl = get_kl_controller(**vars(c.algorithm.kl_ctrl))
         self.learners = {"actor": self._learner("actor", actor)}
         if self.use_critic:
