@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     quick = ["trainer.total_training_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]
     quick += ["data.val_size=4", "trainer.progress_bar=false", "data.max_response_length=4", "trainer.test_freq=1"]
     quick += ["trainer.critic_warmup=0"]
-    quick += ["rollout.val_kwargs.n=2", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0"]
+    quick += ["rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=1.0"]
     out = root / "ppo_run"
     assert main(["ppo", f"model.path={root}/sft/model", f"trainer.output_dir={out}", *quick, ALL]) == 0
     return out

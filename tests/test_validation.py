@@ -147,21 +147,24 @@ def test_chosen_generations_are_verls():
     assert chosen_generations(inputs, outputs, scores, 5) == expected
 
 
-def test_val_kwargs_sampling_at_temperature_0_is_accepted_with_a_note():
-    """verl 0.9's ``AgentLoopManager.generate_sequences`` (``verl/experimental/agent_loop/agent_loop.py``)
-    passes ``val_kwargs.temperature`` to the engine, which decodes greedily at 0."""
-    config, notes = command_settings("ppo", ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=4"])
-    assert config.rollout.val_kwargs.temperature == 0
+def test_val_kwargs_are_read_whatever_do_sample_says_and_temperature_0_is_greedy():
+    """verl 0.9's ``AgentLoopWorkerTQ.generate_sequences`` and ``_run_prompt``
+    (``verl/trainer/ppo/v1/agent_loop_tq.py``) pass ``val_kwargs``' temperature, top_p and top_k to
+    the engine and repeat each prompt ``val_kwargs.n`` times, never reading ``do_sample``; the
+    engine decodes greedily at temperature 0."""
+    config, notes = command_settings("ppo", ["rollout.val_kwargs.n=4"])
+    assert (config.rollout.val_kwargs.temperature, config.rollout.val_kwargs.n) == (0, 4)
     assert any("decodes greedily" in note and "4 responses" in note for note in notes), notes
-    _, notes = command_settings("ppo", ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.7"])
-    assert not any("greedily" in note for note in notes)
+    config, notes = command_settings(
+        "ppo", ["rollout.val_kwargs.do_sample=false", "rollout.val_kwargs.temperature=0.7"]
+    )
+    assert config.rollout.val_kwargs.temperature == 0.7 and not any("are the same" in note for note in notes)
+    assert any(n.startswith("rollout.val_kwargs.do_sample=false is not read") for n in notes), notes
 
 
 @pytest.mark.parametrize("key", ["rollout.temperature", "rollout.val_kwargs.temperature"])
 def test_a_temperature_below_the_float32_floor_is_refused(key):
-    base = (
-        Config() if key == "rollout.temperature" else apply_overrides(Config(), ["rollout.val_kwargs.do_sample=true"])
-    )
+    base = Config()
     with pytest.raises(ValueError, match=rf"{key}=1e-300 is outside its valid range (0 or )?\[1e-6, inf\)"):
         validate(apply_overrides(base, [f"{key}=1e-300"]))
     validate(apply_overrides(base, [f"{key}=1e-6"]))
@@ -170,9 +173,9 @@ def test_a_temperature_below_the_float32_floor_is_refused(key):
 @pytest.mark.parametrize(
     "overrides, needs",
     [
-        (["rollout.val_kwargs.n=4"], "rollout.val_kwargs.do_sample=true"),
+        (["rollout.val_kwargs.top_k=4"], r"rollout.val_kwargs.temperature > 0 \(0 decodes greedily\)"),
         (
-            ["trainer.test_freq=-1", "trainer.val_before_train=false", "rollout.val_kwargs.do_sample=true"],
+            ["trainer.test_freq=-1", "trainer.val_before_train=false", "rollout.val_kwargs.n=2"],
             r"trainer.test_freq > 0 or trainer.val_before_train=true",
         ),
         (
@@ -197,7 +200,7 @@ def test_multi_sample_validation_in_a_run(sft_model, tmp_path):
     """With val_kwargs sampling 3 responses to each of 8 prompts, mean@3 is the mean of the 24
     logged samples, the arithmetic answers vote (maj@3) and pass@3 is logged; greedy val/score stays."""
     out = tmp_path / "ppo"
-    sampling = ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=3", "rollout.val_kwargs.temperature=1"]
+    sampling = ["rollout.val_kwargs.n=3", "rollout.val_kwargs.temperature=1"]
     args = [f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO, *sampling]
     assert main(["ppo", *args, "trainer.log_val_generations=100"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -234,7 +237,7 @@ def test_a_resume_drops_the_samples_of_steps_after_its_checkpoint(tmp_path):
 
 def test_val_kwargs_sampling_at_temperature_0_is_greedy(sft_model, tmp_path):
     out = tmp_path / "ppo"
-    sampling = ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=2"]  # verl's temperature, 0
+    sampling = ["rollout.val_kwargs.n=2"]  # verl's temperature, 0
     assert main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO, *sampling]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     validated = [r for r in rows if "val/score" in r]
@@ -248,7 +251,7 @@ def test_val_kwargs_sampling_settings_are_used(sft_model, tmp_path):
     """top_k=1 leaves one token to sample: the n samples are the greedy response, so mean@2 is
     val/score (a pass that ignored val_kwargs would sample at the rollout's top_k=-1)."""
     out = tmp_path / "ppo"
-    sampling = ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=3"]
+    sampling = ["rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=3"]
     args = [f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO, *sampling, "rollout.val_kwargs.top_k=1"]
     assert main(["ppo", *args, "trainer.log_val_generations=16"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -120,7 +120,7 @@ EVALUATING = when(
     lambda s: s.config.trainer.test_freq > 0 or s.config.trainer.val_before_train,
     "trainer.test_freq > 0 or trainer.val_before_train=true",
 )
-VAL_SAMPLING = when(lambda s: s.owner.do_sample, "rollout.val_kwargs.do_sample=true")
+VAL_SAMPLING = when(lambda s: s.owner.temperature > 0, "rollout.val_kwargs.temperature > 0 (0 decodes greedily)")
 LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
 NO_SAVED_ADAPTER = when(
     lambda s: s.command != "ppo" or s.config.model.lora_adapter_path is None,

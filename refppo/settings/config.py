@@ -260,15 +260,16 @@ class ActorConfig:
 @dataclass
 class ValKwargsConfig:
     """``rollout.val_kwargs.*`` (verl's): the validation pass that verl's ``val-core/*`` metrics
-    score. ``do_sample=false``: one greedy response per held-out prompt; ``true``: ``n`` each,
-    sampled at this temperature, top_k and top_p (:mod:`refppo.training.validation`)."""
+    score: ``n`` responses to each held-out prompt, sampled at this temperature, top_k and top_p,
+    or greedy at temperature 0, verl's default (:mod:`refppo.training.validation`). verl's agent
+    loop reads them whatever ``val_kwargs.do_sample`` says (``AgentLoopWorkerTQ.generate_sequences``
+    in ``verl/trainer/ppo/v1/agent_loop_tq.py``), so refppo has no ``do_sample``."""
 
     top_k: int = setting(-1, "-1 or [1, inf)", needs=VAL_SAMPLING, resumable=True)
     top_p: float = setting(1.0, "(0, 1]", needs=VAL_SAMPLING, resumable=True)
     # 0: greedy, as verl's engine decodes at temperature 0 (n equal responses to each prompt)
-    temperature: float = setting(0.0, f"0 or {TEMPERATURES}", needs=VAL_SAMPLING, resumable=True)
-    n: int = setting(1, COUNT, needs=VAL_SAMPLING, resumable=True)
-    do_sample: bool = setting(False, resumable=True)
+    temperature: float = setting(0.0, f"0 or {TEMPERATURES}", resumable=True)
+    n: int = setting(1, COUNT, resumable=True)
 
 
 @dataclass

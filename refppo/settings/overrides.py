@@ -71,9 +71,9 @@ def command_settings(command: str, given: list[str]) -> tuple[Config, list[str]]
     check_overrides_are_read(command, apply_overrides(config, [*defaults, *overrides]), overrides)
     config = validate(config, command)
     val_kwargs = config.rollout.val_kwargs
-    if command == "ppo" and val_kwargs.do_sample and val_kwargs.temperature == 0:
+    if command == "ppo" and val_kwargs.n > 1 and val_kwargs.temperature == 0:
         notes.append(
-            "rollout.val_kwargs.do_sample=true at rollout.val_kwargs.temperature=0 decodes greedily, as verl's engine "
-            f"does: the {val_kwargs.n} responses to each held-out prompt are the same"
+            f"rollout.val_kwargs.n={val_kwargs.n} at rollout.val_kwargs.temperature=0 decodes greedily, as verl's "
+            f"engine does: the {val_kwargs.n} responses to each held-out prompt are the same"
         )
     return config, notes

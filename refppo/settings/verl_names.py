@@ -67,6 +67,10 @@ ADDED = {
 # verl keys its code does not read here: added with "+" by its example lines and never read, or
 # read only with a feature refppo refuses (so unread on any line refppo accepts): dropped with a note
 UNREAD_BY_VERL = {
+    # verl's agent loop samples at val_kwargs.temperature whatever do_sample says; validate_config
+    # reads it only to assert rollout.temperature > 0, which refppo's range holds
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": "verl's validation samples at val_kwargs.temperature "
+    "whatever it says (0 decodes greedily)",
     # verl's _load_checkpoint reads it only with resume_mode=resume_path, which refppo refuses
     "trainer.resume_from_path": "read only with trainer.resume_mode=resume_path",
     # FSDPActorConfig.grad_clip and the critic's have no reader in verl 0.9: its engine clips at

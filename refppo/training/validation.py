@@ -151,19 +151,21 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
     keep = c.trainer.log_val_generations
     records, first, count = distributed.padded_share(trainer.val_records, world)
     out = {}
-    # texts only where they are read: the val_kwargs pass, which is the greedy one without do_sample
+    # texts only where they are read: the val_kwargs pass, which is the greedy one at temperature 0, n = 1
     want_texts = answer_fn is not None or keep > 0
+    greedy_is_val_kwargs = kw.temperature == 0 and kw.n == 1
     passes = {}
     for suffix, do_sample in (("", False), ("_sampled", True)):
         batch = trainer.generate(records, n=1, do_sample=do_sample, first_row=first, stream=1)
-        passes[suffix] = _gathered(trainer, batch, records, count, want_texts and not (do_sample or kw.do_sample))
+        passes[suffix] = _gathered(
+            trainer, batch, records, count, want_texts and not do_sample and greedy_is_val_kwargs
+        )
         lengths = batch["response_mask"].sum(-1).float()
         out[f"val/response_length{suffix}"] = float(distributed.gather_rows(lengths, world)[:count].mean())
         out |= {f"val/{name}{suffix}": float(values.mean()) for name, values in passes[suffix][0].items()}
-    n = 1
+    n = kw.n
     values, texts = passes[""]
-    if kw.do_sample:
-        n = kw.n
+    if not greedy_is_val_kwargs:
         if kw.temperature == 0:  # verl's engine decodes greedily at temperature 0: n equal responses
             batch = trainer.generate(records, n, do_sample=False, first_row=first * n, stream=2)
         else:
