@@ -18,7 +18,7 @@ from _trainers import MODES, TOK, first_char_is_seven, make_trainer, micro_batch
 import refppo.training.trainer
 from refppo.rollout.forward import compute_log_probs, compute_values
 from refppo.rollout.prompts import decode_texts
-from refppo.training.metrics import data_metrics, gather
+from refppo.training.metrics import data_metrics, gather, throughput_metrics
 
 # The trainer's passes against plain recomputations of the same numbers: the same float32 sums in
 # other orders (micro-batches, blocks), over a 32-wide hidden state and a 50-token vocabulary, of
@@ -661,14 +661,20 @@ def test_vpred_mean_is_the_critic_s_mean_prediction_in_its_update():
 
 
 def test_throughput_metrics_are_verls():
-    trainer = make_trainer([*BATCH, "data.max_response_length=3", "algorithm.use_kl_in_reward=true"])
+    """verl's ``compute_timing_metrics`` counts a response's tokens from the attention mask
+    (``_compute_response_info``), so rejection sampling, which masks tokens out of the loss, does
+    not change them; ``compute_throughout_metrics`` divides by the time and the GPUs."""
+    trainer = make_trainer([*BATCH, "data.max_response_length=3", "algorithm.use_kl_in_reward=true", *BYPASS_RS])
+    perturb_rollout_log_probs(trainer)
     batches, _ = capture(trainer)
     m = trainer.train_step()
     b = batches[-1]
-    total, responses = int(b["attention_mask"].sum()), int(b["response_mask"].sum())
-    assert total > responses > 0
+    width = b["responses"].shape[1]
+    total, responses = int(b["attention_mask"].sum()), int(b["attention_mask"][:, -width:].sum())
+    assert total > responses > int(b["response_mask"].sum()) > 0, "some sampled tokens rejected"
     assert m["perf/total_num_tokens"] == total and m["perf/time_per_step"] == m["timing_s/step"]
     assert m["perf/throughput"] == pytest.approx(total / m["timing_s/step"])
+    assert throughput_metrics(b, {"timing_s/step": 2.0}, processes=4)["perf/throughput"] == total / 8
     assert m["timing_per_token_ms/gen"] == pytest.approx(m["timing_s/gen"] * 1000 / responses)
     for phase in ("ref", "values", "adv", "update_critic", "update_actor"):
         assert m[f"timing_per_token_ms/{phase}"] == pytest.approx(m[f"timing_s/{phase}"] * 1000 / total), phase

@@ -218,22 +218,29 @@ def gather(metrics: dict, per_mini: list[dict], device: torch.device) -> dict[st
     return dict(zip(names, flat))
 
 
-def throughput_metrics(batch: dict[str, torch.Tensor], timing: dict[str, float]) -> dict[str, float]:
-    """verl's ``compute_timing_metrics`` per-token part and ``compute_throughout_metrics`` (one GPU).
+def throughput_metrics(
+    batch: dict[str, torch.Tensor], timing: dict[str, float], processes: int = 1
+) -> dict[str, float]:
+    """verl's ``compute_timing_metrics`` per-token part and ``compute_throughout_metrics``
+    (``verl/trainer/ppo/metric_utils.py``): tokens counted from the attention mask, so a token that
+    rejection sampling masked out of the loss still counts as generated.
 
     Args:
-        batch: needs ``attention_mask`` (B, P + R) and ``response_mask`` (B, R).
+        batch: the whole step's batch: ``attention_mask`` (B, P + R) and ``responses`` (B, R).
         timing: ``timing_s/<phase>`` seconds, ``timing_s/step`` included.
+        processes: the run's processes (verl's ``n_gpus``).
 
     Returns:
         ``timing_per_token_ms/<phase>`` (generation per response token, the other phases per
         prompt + response token), ``perf/total_num_tokens``, ``perf/time_per_step`` and
-        ``perf/throughput`` (tokens per second).
+        ``perf/throughput`` (tokens per second per process).
     """
-    counts = torch.stack([batch["attention_mask"].sum(), batch["response_mask"].sum()]).tolist()
+    width = batch["responses"].shape[1]
+    response_mask = batch["attention_mask"][:, -width:]
+    counts = torch.stack([batch["attention_mask"].sum(), response_mask.sum()]).tolist()
     total, responses = (int(c) for c in counts)
     step = timing["timing_s/step"]
-    out = {"perf/total_num_tokens": total, "perf/time_per_step": step, "perf/throughput": total / step}
+    out = {"perf/total_num_tokens": total, "perf/time_per_step": step, "perf/throughput": total / (step * processes)}
     for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
         if f"timing_s/{phase}" in timing:
             tokens = responses if phase == "gen" else total

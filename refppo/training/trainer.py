@@ -572,7 +572,7 @@ class PPOTrainer:
             metrics |= gradient_noise_proxies(metrics, rows=batch["response_mask"].shape[0])
         timing["timing_s/step"] = time.perf_counter() - start
         metrics.update(timing)
-        metrics |= throughput_metrics(batch, timing)
+        metrics |= throughput_metrics(batch, timing, processes=self.world.size)
         metrics["perf/max_memory_allocated_gb"] = peak_memory_gb(self.device)
         if c.actor.use_kl_loss:
             metrics["actor/kl_coef"] = c.actor.kl_loss_coef
