@@ -791,3 +791,25 @@ def test_a_verl_line_keeps_the_batchs_order():
     assert config.actor.shuffle is False and "actor.shuffle=false" in notes[-1]
     config, _ = command_settings("ppo", ["actor_rollout_ref.actor.shuffle=true", "critic.shuffle=false"])
     assert config.actor.shuffle is True and config.critic.shuffle is False
+
+
+def test_the_whole_loss_is_logged_as_verls_actor_loss_and_critic_loss():
+    """verl's ``_postprocess_output`` (``verl/workers/engine_workers.py``) logs ``loss``, the sum of
+    a mini-batch's micro-batch losses, as ``actor/loss`` and ``critic/loss`` (``_update_actor``
+    renames it): the policy loss minus ``entropy_coeff`` x the entropy plus ``kl_loss_coef`` x the
+    KL loss (``ppo_loss`` in ``verl/workers/utils/losses.py``), and the value loss."""
+    trainer = make_trainer(
+        [
+            *BATCH,
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size_per_gpu=2",
+            "actor.entropy_coeff=0.01",
+            "actor.use_kl_loss=true",
+            "actor.kl_loss_coef=0.3",
+        ]
+    )
+    for stats in minibatch_stats(trainer, trainer.make_experience(trainer.sampler.next_batch(), {})[0], "actor"):
+        whole = stats["actor/pg_loss"] - 0.01 * stats["actor/entropy_loss"] + 0.3 * stats["actor/kl_loss"]
+        assert stats["actor/loss"].item() == pytest.approx(whole.item(), rel=1e-6, abs=1e-7)
+    m = trainer.train_step()
+    assert m["critic/loss"] == pytest.approx(m["critic/vf_loss"], rel=1e-6)

@@ -89,7 +89,9 @@ def minibatch_updates(
     Each term of a micro-batch's loss is weighted by its mode's share of the mini-batch
     (:func:`refppo.losses.agg_loss_weight`), so the accumulated gradient is the mini-batch loss's
     gradient exactly, and its logged value the mini-batch's, whatever the modes; the other stats
-    (token means) get the micro-batch's share of valid tokens. With several processes each takes
+    (token means) get the micro-batch's share of valid tokens; ``<name>/loss`` is the mini-batch's
+    whole loss, the terms with their coefficients (verl's ``_postprocess_output`` in
+    ``verl/workers/engine_workers.py``). With several processes each takes
     its share of every mini-batch and the stats are summed over them. An update whose gradient
     norm is not finite is skipped (:func:`count_skips`).
 
@@ -125,6 +127,8 @@ def minibatch_updates(
                             loss = loss + term.coefficient * weight * term.value
                         stats[name] = stats.get(name, 0.0) + weight * term.value.detach()
                     loss.backward()
+                    # verl's <role>/loss: the mini-batch's whole loss, its micro-batches' summed
+                    stats[f"{learner.name}/loss"] = stats.get(f"{learner.name}/loss", 0.0) + loss.detach()
                     for k, v in micro_stats.items():
                         stats[k] = stats.get(k, 0.0) + share * v
                 stats = distributed.sum_stats(stats, world)
