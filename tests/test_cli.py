@@ -172,18 +172,18 @@ def test_a_folder_that_is_not_a_lora_adapter_is_refused_before_any_work(sft_run,
     assert not out.exists(), "nothing written before the check"
 
 
-def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
+def _file_run(sft_run, tmp_path, prompts: int, quick: list[str]):
+    """``refppo ppo`` arguments for a run on a file of ``prompts`` arithmetic prompts with their
+    answers, and its run folder."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20)))
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(prompts)))
     out = tmp_path / "ppo_file"
-    args = [
-        "ppo",
-        f"model.path={sft_run}/model",
-        f"trainer.output_dir={out}",
-        "data.task=file",
-        f"data.train_files={data}",
-        *QUICK_PPO,
-    ]
+    model = f"model.path={sft_run}/model"
+    return ["ppo", model, f"trainer.output_dir={out}", "data.task=file", f"data.train_files={data}", *quick], out
+
+
+def test_ppo_on_a_user_dataset_with_a_custom_reward(sft_run, tmp_path):
+    args, out = _file_run(sft_run, tmp_path, 20, QUICK_PPO)
     assert main(args + ["reward_model.reward_fn=refppo.tasks.arithmetic:exact_match_reward"]) == 0
     assert (out / "metrics.jsonl").exists()
 
@@ -193,23 +193,10 @@ def test_a_ppo_run_ended_by_its_epochs_keeps_the_schedule_of_total_training_step
     one epoch (2 steps), and the learning rate follows the cosine schedule of all 10 steps."""
     from test_optim import verl_lr_factors
 
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(16)))
-    out = tmp_path / "ppo_epoch"
-    args = [
-        "ppo",
-        f"model.path={sft_run}/model",
-        f"trainer.output_dir={out}",
-        "data.task=file",
-        f"data.train_files={data}",
-        *FILE_PPO,
-        "trainer.total_training_steps=10",
-        "trainer.total_epochs=1",
-        "actor.optim.lr=1e-3",
-        "actor.optim.lr_scheduler_type=cosine",
-        "reward_model.reward_fn=refppo.tasks.arithmetic:exact_match_reward",
-    ]
-    assert main(args) == 0
+    args, out = _file_run(sft_run, tmp_path, 16, FILE_PPO)
+    schedule = ["actor.optim.lr=1e-3", "actor.optim.lr_scheduler_type=cosine"]
+    epochs = ["trainer.total_training_steps=10", "trainer.total_epochs=1"]
+    assert main([*args, *epochs, *schedule, "reward_model.reward_fn=refppo.tasks.arithmetic:exact_match_reward"]) == 0
     assert logged(out, "actor/lr") == pytest.approx([1e-3 * f for f in verl_lr_factors(10, cosine=True)[1:3]], rel=1e-6)
 
 
