@@ -14,7 +14,7 @@ from refppo.rollout.prompts import decode_texts, sequence_batch
 from refppo.settings.config import Config, apply_overrides
 from refppo.settings.validate import validate
 from refppo.settings.verl_names import translate
-from refppo.training.dynamic_sampling import join_batches, varied_groups
+from refppo.training.dynamic_sampling import DynamicSampling, join_batches, varied_groups
 
 GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=4"]
 DAPO = [*GRPO, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
@@ -126,6 +126,33 @@ def test_dynamic_sampling_keeps_the_first_groups_that_differ():
     assert all(scores[i : i + 4].unique().numel() > 1 for i in range(0, 64, 4)), "every group differs"
     assert all(batch["advantages"][i : i + 4].abs().sum() > 0 for i in range(0, 64, 4))
     assert timing["timing_s/gen"] > 0
+
+
+@pytest.mark.parametrize(
+    "metric, kept",
+    [("acc", [False, True]), ("seq_reward", [True, True]), ("seq_final_reward", [True, True]), ("score", None)],
+)
+def test_groups_are_filtered_on_the_metric_as_verls_replay_buffer_does(metric, kept):
+    """verl's ``ReplayBuffer`` (``verl/trainer/ppo/v1/replay_buffer.py``) reads the metric from
+    ``reward_extra_info`` and raises when it is missing; its DAPO reward manager puts a plain score
+    there as ``acc``, before the overlong penalty. Two groups of two: the first right twice, one
+    response penalised for length (scores 1.0 and 0.75), the second right once."""
+    acc = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    scores = acc + torch.tensor([0.0, -0.25, 0.0, 0.0])
+    batch = sequence_batch(
+        torch.ones(4, 2, dtype=torch.long),
+        torch.ones(4, 2, dtype=torch.long),
+        torch.ones(4, 3, dtype=torch.long),
+        torch.ones(4, 3, dtype=torch.long),
+    )
+    batch["index"] = torch.tensor([0, 0, 1, 1])
+    groups = DynamicSampling(2, 2, 0, pad_token_id=0, metric=metric)
+    if kept is None:  # a plain score gives acc, not score
+        with pytest.raises(RuntimeError, match="filter_groups.metric=score: the reward gives no 'score'"):
+            groups.add(batch, scores, {"acc": acc})
+        return
+    groups.add(batch, scores, {"acc": acc})
+    assert groups.kept == sum(kept)
 
 
 def test_dynamic_sampling_stops_at_max_num_gen_batches():

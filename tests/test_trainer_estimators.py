@@ -189,10 +189,14 @@ def test_what_the_estimators_need_is_checked_before_any_work(settings, message):
         validate(apply_overrides(Config(), settings))
 
 
-def test_a_dict_result_gives_the_score_and_its_numeric_components():
+def test_a_result_gives_the_score_and_verls_reward_extra_info():
+    """As verl's reward managers (``NaiveRewardManager``, ``DAPORewardManager``): a dict result keeps
+    each entry, ``score`` included; a plain score is also ``acc``."""
     result = {"score": [1.0, 2.0], "acc": [1, 0], "pred": ["12", "7"]}  # a parsed answer is verl's, for its logs
     scores, parts = split_reward_result(result, 2, "fn")
-    assert scores.tolist() == [1.0, 2.0] and list(parts) == ["acc"] and parts["acc"].tolist() == [1.0, 0.0]
+    assert scores.tolist() == [1.0, 2.0] and list(parts) == ["score", "acc"] and parts["acc"].tolist() == [1.0, 0.0]
+    scores, parts = split_reward_result([0.5, 1.0], 2, "fn")
+    assert list(parts) == ["acc"] and parts["acc"].tolist() == scores.tolist() == [0.5, 1.0]
     # numpy's numbers, as a verl compute_score often returns them, are components too
     numpy_result = {"score": [1.0, 2.0], "acc": [np.float32(0.5), np.int64(1)], "ok": [np.bool_(True), False]}
     _, parts = split_reward_result(numpy_result, 2, "fn")

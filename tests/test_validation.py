@@ -210,17 +210,22 @@ def test_multi_sample_validation_in_a_run(sft_model, tmp_path):
         assert len(mine) == 24 and {g["input"] for g in mine} == {g["input"] for g in generations}
         row = next(r for r in rows if r["step"] == step and "val/score" in r)
         mean = sum(g["score"] for g in mine) / 24
-        assert row["val-core/arithmetic/reward/mean@3"] == pytest.approx(mean, abs=1e-12)
-        assert {"val-core/arithmetic/reward/maj@3/mean", "val-core/arithmetic/reward/pass@3"} <= set(row)
-        assert row["val-core/arithmetic/reward/best@3/mean"] >= row["val-core/arithmetic/reward/mean@3"]
+        assert row["val-core/arithmetic/acc/mean@3"] == pytest.approx(mean, abs=1e-12)
+        assert {"val-core/arithmetic/acc/maj@3/mean", "val-core/arithmetic/acc/pass@3"} <= set(row)
+        assert row["val-core/arithmetic/acc/best@3/mean"] >= row["val-core/arithmetic/acc/mean@3"]
 
 
 def test_greedy_validation_is_verls_mean_at_one(sft_model, tmp_path):
+    """verl's reward managers keep a plain score as ``acc`` too (``NaiveRewardManager``), and
+    ``_val_metrics_update`` (``verl/trainer/ppo/v1/trainer_base.py``) makes ``acc`` the core
+    variable when there is one: the arithmetic task's score is core as ``acc``, ``reward`` aux."""
     out = tmp_path / "ppo"
     assert main(["ppo", f"model.path={sft_model}", f"trainer.output_dir={out}", *QUICK_PPO]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row in (r for r in rows if "val/score" in r):
-        assert row["val-core/arithmetic/reward/mean@1"] == pytest.approx(row["val/score"], abs=1e-7)
+        assert row["val-core/arithmetic/acc/mean@1"] == pytest.approx(row["val/score"], abs=1e-7)
+        assert row["val-aux/arithmetic/reward/mean@1"] == row["val-core/arithmetic/acc/mean@1"]
+        assert "val-core/arithmetic/reward/mean@1" not in row
     assert not (out / "val_generations.jsonl").exists(), "trainer.log_val_generations=0 writes none"
 
 
@@ -243,8 +248,8 @@ def test_val_kwargs_sampling_at_temperature_0_is_greedy(sft_model, tmp_path):
     validated = [r for r in rows if "val/score" in r]
     assert validated
     for row in validated:
-        assert row["val-core/arithmetic/reward/mean@2"] == pytest.approx(row["val/score"], abs=1e-7)
-        assert row["val-aux/arithmetic/reward/std@2"] == 0
+        assert row["val-core/arithmetic/acc/mean@2"] == pytest.approx(row["val/score"], abs=1e-7)
+        assert row["val-aux/arithmetic/acc/std@2"] == 0
 
 
 def test_val_kwargs_sampling_settings_are_used(sft_model, tmp_path):
@@ -257,8 +262,8 @@ def test_val_kwargs_sampling_settings_are_used(sft_model, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     generations = [json.loads(line) for line in (out / "val_generations.jsonl").read_text().splitlines()]
     for row in (r for r in rows if "val/score" in r):
-        assert row["val-core/arithmetic/reward/mean@2"] == pytest.approx(row["val/score"], abs=1e-7)
-        assert row["val-aux/arithmetic/reward/std@2"] == 0
+        assert row["val-core/arithmetic/acc/mean@2"] == pytest.approx(row["val/score"], abs=1e-7)
+        assert row["val-aux/arithmetic/acc/std@2"] == 0
     outputs = defaultdict(set)
     for g in generations:
         outputs[g["step"], g["input"]].add(g["output"])

@@ -78,10 +78,15 @@ class DynamicSampling:
         n: responses per prompt (``rollout.n``).
         max_num_gen_batches: the most generation batches the step may take (0: no limit).
         pad_token_id: the padding of narrower prompts and responses when the batches are joined.
+        metric: what a kept group's responses must differ in (``algorithm.filter_groups.metric``):
+            ``seq_reward`` and ``seq_final_reward`` the score a response trains on (no KL in the
+            reward here), ``acc`` or ``score`` the reward function's number of that name (verl's
+            ``reward_extra_info``: ``acc`` is a plain score before DAPO's overlong penalty).
     """
 
-    def __init__(self, prompts: int, n: int, max_num_gen_batches: int, pad_token_id: int):
+    def __init__(self, prompts: int, n: int, max_num_gen_batches: int, pad_token_id: int, metric: str = "seq_reward"):
         self.prompts = prompts
+        self.metric = metric
         self.n = n
         self.max_num_gen_batches = max_num_gen_batches
         self.pad_token_id = pad_token_id
@@ -109,10 +114,21 @@ class DynamicSampling:
             scores: (prompts x n,); extras: name -> (prompts x n,) scores.
 
         Raises:
-            RuntimeError: ``max_num_gen_batches`` batches did not give enough groups that differ.
+            RuntimeError: ``max_num_gen_batches`` batches did not give enough groups that differ, or
+                the reward function gave no number named ``metric`` (verl's ``ReplayBuffer``
+                raises there too).
         """
         batch["index"] += self.generated * self.prompts
-        keep = varied_groups(scores, batch["index"])
+        if self.metric in ("seq_reward", "seq_final_reward"):
+            values = scores
+        elif self.metric in extras:
+            values = extras[self.metric]
+        else:
+            raise RuntimeError(
+                f"algorithm.filter_groups.metric={self.metric}: the reward gives no {self.metric!r} (it gives "
+                f"{sorted(extras)}; a plain score is acc, a dict result its keys, as in verl's reward_extra_info)"
+            )
+        keep = varied_groups(values, batch["index"])
         part = batch | {SCORE: scores} | {EXTRA + k: v for k, v in extras.items()}
         self.parts.append({k: v[keep.to(v.device)] for k, v in part.items()})
         self.kept += int(keep.sum()) // self.n

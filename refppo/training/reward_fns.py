@@ -140,8 +140,12 @@ def _numbers(values) -> bool:
 
 
 def split_reward_result(result, rows: int, source: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A reward function's scores, and the other numeric values of a dict result by name (verl's
-    reward_extra_info, which GDPO reads: ``algorithm.gdpo_reward_keys``).
+    """A reward function's scores, and its numbers by name as verl's reward managers keep them in
+    ``reward_extra_info`` (``NaiveRewardManager``, ``DAPORewardManager`` in
+    ``verl/experimental/reward_loop/reward_manager/``): a plain score is also ``acc``; a dict
+    result keeps each numeric entry, ``score`` included. GDPO (``algorithm.gdpo_reward_keys``), the
+    group filter (``algorithm.filter_groups.metric``) and validation (``acc``, when there is one,
+    is its core variable) read them.
 
     Args:
         result: (rows,) scores, or a dict of (rows,) lists with the scores under ``"score"``; values
@@ -153,14 +157,16 @@ def split_reward_result(result, rows: int, source: str) -> tuple[torch.Tensor, d
         ((rows,) float32 scores, {name: (rows,) float32}).
     """
     if not isinstance(result, dict):
-        return check_scores(result, rows, source), {}
+        scores = check_scores(result, rows, source)
+        return scores, {"acc": scores}
     if "score" not in result:
         raise ValueError(f"{source} returned a dict without 'score' (it has {sorted(result)})")
-    components = {}
+    scores = check_scores(result["score"], rows, f"{source}'s 'score'")
+    components = {"score": scores}
     for name, values in result.items():
         if name != "score" and _numbers(values):
             components[name] = check_scores(values, rows, f"{source}'s {name!r}")
-    return check_scores(result["score"], rows, f"{source}'s 'score'"), components
+    return scores, components
 
 
 def describe(fn) -> str:

@@ -249,7 +249,8 @@ class PPOTrainer:
             batch, scores, extras = self.generate_and_score(records, timing)
             return batch, scores, extras, {}
         limit = c.algorithm.filter_groups.max_num_gen_batches
-        groups = DynamicSampling(len(records), c.rollout.n, limit, self.tokenizer.pad_token_id)
+        metric = c.algorithm.filter_groups.metric
+        groups = DynamicSampling(len(records), c.rollout.n, limit, self.tokenizer.pad_token_id, metric=metric)
         groups.add(*self.generate_and_score(records, timing))
         while not groups.full:
             more = self.sampler.next_batch()

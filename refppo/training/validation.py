@@ -186,7 +186,9 @@ def _gathered(trainer, batch: dict[str, torch.Tensor], rows: list[dict], count: 
     world = trainer.world
     pad = trainer.tokenizer.pad_token_id
     scores, extras = trainer.score(batch, rows)
-    values = {k: distributed.gather_rows(v, world)[:count].cpu() for k, v in {"score": scores, **extras}.items()}
+    # the score trained on; a dict result's own "score" (before shaping) is not a second one
+    named = {"score": scores} | {k: v for k, v in extras.items() if k != "score"}
+    values = {k: distributed.gather_rows(v, world)[:count].cpu() for k, v in named.items()}
     if not texts:
         return values, None
     tokens = {
