@@ -236,8 +236,8 @@ def throughput_metrics(
         ``perf/throughput`` (tokens per second per process).
     """
     width = batch["responses"].shape[1]
-    response_mask = batch["attention_mask"][:, -width:]
-    counts = torch.stack([batch["attention_mask"].sum(), response_mask.sum()]).tolist()
+    sampled = batch["attention_mask"][:, -width:]  # every generated token, rejected or not
+    counts = torch.stack([batch["attention_mask"].sum(), sampled.sum()]).tolist()
     total, responses = (int(c) for c in counts)
     step = timing["timing_s/step"]
     out = {"perf/total_num_tokens": total, "perf/time_per_step": step, "perf/throughput": total / (step * processes)}
