@@ -106,7 +106,7 @@ def minibatch_stats(trainer, batch, role):
     trainer's update runs them (without the schedule's step)."""
     loss = trainer._actor_loss if role == "actor" else trainer._critic_loss
     settings = trainer._update_settings(role)
-    return minibatch_updates(batch, trainer.learners[role], settings, loss, trainer.shuffle_gen, trainer.world)
+    return minibatch_updates(batch, trainer.learners[role], settings, loss, trainer.world)
 
 
 def micro_batch_loss(terms):

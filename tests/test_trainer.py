@@ -12,10 +12,11 @@ from refppo.rollout.forward import ForwardPasses
 from refppo.runs.folder import RunFolder, check_resume
 from refppo.settings.config import apply_overrides
 from refppo.settings.validate import validate
+from refppo.training import update
 from refppo.training.fit import fit
 from refppo.training.metrics import bar_fields
 from refppo.training.reward_fns import check_scores
-from refppo.training.update import MAX_SKIPPED_UPDATES, LossTerm, count_skips, minibatch_updates
+from refppo.training.update import MAX_SKIPPED_UPDATES, LossTerm, count_skips, minibatch_rows, minibatch_updates
 
 
 def _run(trainer, steps):
@@ -277,7 +278,6 @@ def test_resume_gives_the_same_metrics(tmp_path):
     with torch.no_grad():  # scrambled weights: everything must come from the checkpoint
         for p in [*resumed.actor.parameters(), *resumed.critic.parameters()]:
             p.add_(torch.randn_like(p))
-    resumed.shuffle_gen.manual_seed(123)
     resumed.load_checkpoint(run.resume.folder, run.resume.state)
     rest = fit(resumed, run, progress_bar=False)
     assert [_no_timing(m) for m in rest] == [_no_timing(m) for m in full[3:]]
@@ -333,10 +333,8 @@ def test_a_losss_other_stats_are_the_mini_batchs_token_mean_whatever_the_micro_b
         return terms, stats | {"probe": (mask.sum(-1) ** 2).sum() / mask.sum()}  # a token mean of row lengths
 
     settings = trainer._update_settings("actor")
-    trainer.shuffle_gen.manual_seed(0)
-    first = minibatch_updates(batch, trainer.learners["actor"], settings, probed, trainer.shuffle_gen, trainer.world)[0]
-    trainer.shuffle_gen.manual_seed(0)
-    order = torch.randperm(batch["response_mask"].shape[0], generator=trainer.shuffle_gen)[: settings.mini_rows]
+    first = minibatch_updates(batch, trainer.learners["actor"], settings, probed, trainer.world)[0]
+    order = minibatch_rows(batch["response_mask"].shape[0], settings)[0]
     lengths = batch["response_mask"][order].double().sum(-1)
     assert len(set(lengths.tolist())) > 1, "a vacuous check: every row as long"
     # each share is one float32 division (2^-24 relative), summed over at most 4 micro-batches
@@ -361,7 +359,6 @@ def test_logged_losses_are_the_mini_batch_values_with_micro_batching(mode, split
     batch, _ = whole.make_experience(whole.sampler.next_batch(), {})
     split.sampler.next_batch()
     for trainer in (whole, split):
-        trainer.shuffle_gen.manual_seed(0)
         mini = minibatch_stats(trainer, {k: v.clone() for k, v in batch.items()}, "actor")[0]
         trainer.first = {k: float(v) for k, v in mini.items() if k != "actor/grad_norm"}
     assert set(whole.first) >= {
@@ -431,9 +428,23 @@ def test_the_batch_is_checked_once_per_step_before_any_update(monkeypatch):
     trainer = make_trainer(["actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2"])
     batch, _ = trainer.make_experience(trainer.sampler.next_batch(), {})
     syncs = []
-    monkeypatch.setattr(
-        torch.Tensor, "tolist", lambda self, _tolist=torch.Tensor.tolist: syncs.append(1) or _tolist(self)
-    )
+    spying = [True]
+
+    def spied_tolist(self, _tolist=torch.Tensor.tolist):
+        syncs.extend([1] if spying[0] else [])
+        return _tolist(self)
+
+    def unspied_rows(*args, _rows=update.minibatch_rows):
+        # the mini-batches' row numbers: drawn on the CPU (torch's sampler lists them), never read
+        # from the device
+        spying[0] = False
+        try:
+            return _rows(*args)
+        finally:
+            spying[0] = True
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spied_tolist)
+    monkeypatch.setattr(update, "minibatch_rows", unspied_rows)
     trainer.update(batch, {})
     assert syncs == [], f"{len(syncs)} value-check host syncs in the update loop (8 micro-batches)"
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from _tolerances import reordered
 from _trainers import MODES, TOK, first_char_is_seven, make_trainer, micro_batch_loss, minibatch_stats
+from torch.utils.data import DataLoader
 
 import refppo.training.trainer
 from refppo.rollout.forward import compute_log_probs, compute_values
@@ -753,14 +754,41 @@ def test_reference_and_reward_inputs_never_get_gradients():
     assert math.isfinite(trainer.train_step()["actor/kl_loss"])
 
 
+def verl_minibatch_rows(rows: int, mini_batch_size: int, epochs: int, seed: int, shuffle: bool) -> list[int]:
+    """The rows of verl 0.9's mini-batches, in training order: ``make_iterator`` in
+    ``verl/utils/tensordict_utils.py`` as ``train_mini_batch`` (``verl/workers/engine_workers.py``)
+    calls it on data-parallel rank 0 (seed + 0), transcribed: a fresh generator at every update, a
+    DataLoader over the row numbers, one pass of it per epoch."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    idx_lst = torch.arange(rows)
+    train_dataloader = DataLoader(
+        dataset=idx_lst, batch_size=mini_batch_size, collate_fn=lambda x: x, generator=generator, shuffle=shuffle
+    )
+    order = []
+    for _ in range(epochs):
+        for idx in train_dataloader:
+            order += [int(i) for i in idx]
+    return order
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_mini_batches_come_in_the_batchs_order_without_shuffle(shuffle):
-    """verl 0.9's ``RayPPOTrainer._update_actor`` / ``_update_critic`` pass
-    ``dataloader_kwargs={"shuffle": actor.shuffle}`` (``critic.shuffle``, which its YAML takes from the
-    actor's) to ``make_iterator`` (``verl/utils/tensordict_utils.py``), a DataLoader over the
-    batch's rows: unshuffled, every epoch's mini-batches are the rows in order."""
+def test_mini_batches_come_in_verls_order(shuffle):
+    """verl 0.9's ``_update_actor`` / ``_update_critic`` (``verl/trainer/ppo/v1/trainer_base.py``,
+    and the legacy ``RayPPOTrainer``'s alike) pass ``seed=data_loader_seed`` and
+    ``dataloader_kwargs={"shuffle": shuffle}`` (the critic's shuffle taken from the actor's by its
+    YAML, its seed its own) to ``make_iterator`` (:func:`verl_minibatch_rows`): unshuffled, every
+    epoch's mini-batches are the rows in order; shuffled, the orders of a generator seeded afresh at
+    every update, so both steps' updates go through the same ones."""
+    seeds = {"actor": 42, "critic": 7}
     trainer = make_trainer(
-        [*BATCH, f"actor.shuffle={str(shuffle).lower()}", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=2"]
+        [
+            *BATCH,
+            f"actor.shuffle={str(shuffle).lower()}",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_epochs=2",
+            *([f"critic.data_loader_seed={seeds['critic']}"] if shuffle else []),
+        ]
     )
     seen = {"actor": [], "critic": []}
     for name in seen:
@@ -776,11 +804,16 @@ def test_mini_batches_come_in_the_batchs_order_without_shuffle(shuffle):
         return stats
 
     trainer.evaluate = numbered
-    trainer.train_step()
-    for name, rows in seen.items():
-        order = torch.cat(rows).tolist()
-        in_order = list(range(8)) * 2
-        assert (order == in_order) == (not shuffle), (name, order)
+    for _ in range(2):
+        trainer.train_step()
+    orders = {name: torch.cat(rows).tolist() for name, rows in seen.items()}
+    for name, order in orders.items():
+        expected = verl_minibatch_rows(8, mini_batch_size=2, epochs=2, seed=seeds[name], shuffle=shuffle)
+        assert order == expected * 2, (name, order)
+        epochs = [order[:8], order[8:16]]
+        assert all(sorted(epoch) == list(range(8)) for epoch in epochs), order
+        assert (epochs[0] == epochs[1] == list(range(8))) == (not shuffle), (name, order)
+    assert (orders["actor"] != orders["critic"]) == shuffle, "a vacuous check: the two seeds give one order"
     assert trainer.config.critic.shuffle is None, "the critic follows the actor's"
 
 
@@ -791,6 +824,14 @@ def test_a_verl_line_keeps_the_batchs_order():
     assert config.actor.shuffle is False and "actor.shuffle=false" in notes[-1]
     config, _ = command_settings("ppo", ["actor_rollout_ref.actor.shuffle=true", "critic.shuffle=false"])
     assert config.actor.shuffle is True and config.critic.shuffle is False
+    # verl reads the order's seed only to shuffle: at its default actor.shuffle=false it is unread
+    seed = "actor_rollout_ref.actor.data_loader_seed=7"
+    config, notes = command_settings("ppo", [seed, "actor_rollout_ref.actor.optim.lr=1e-6"])
+    assert config.actor.data_loader_seed == 42 and "actor.data_loader_seed=7 is not read" in notes[0]
+    config, _ = command_settings("ppo", [seed, "actor_rollout_ref.actor.shuffle=true"])
+    assert config.actor.data_loader_seed == 7
+    with pytest.raises(ValueError, match="actor.data_loader_seed is read only with actor.shuffle=true"):
+        command_settings("ppo", ["actor.data_loader_seed=7", "actor.shuffle=false"])  # refppo's own line
 
 
 def test_the_whole_loss_is_logged_as_verls_actor_loss_and_critic_loss():

@@ -110,6 +110,11 @@ CRITIC_ROWS = when(
     lambda s: not s.config.critic.use_dynamic_bsz,
     "critic.use_dynamic_bsz=false (true sizes micro-batches by critic.ppo_max_token_len_per_gpu)",
 )
+# verl's DataLoader reads its generator only to shuffle (make_iterator in verl/utils/tensordict_utils.py)
+SHUFFLED = when(
+    lambda s: s.config.actor.shuffle if s.section == "actor." else critic_setting(s.config, "shuffle"),
+    lambda s: f"{s.section}shuffle=true",
+)
 # verl's engines take the warm-up from the ratio whenever lr_warmup_steps <= 0 (FSDPEngine._build_lr_scheduler)
 WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps <= 0, lambda s: f"{s.section}lr_warmup_steps=-1 (or any <= 0)")
 COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")

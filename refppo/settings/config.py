@@ -61,6 +61,7 @@ from refppo.settings.conditions import (
     REWARD_MODEL,
     RM_FILE,
     RULE_SCORES,
+    SHUFFLED,
     TINY_MODEL,
     VAL_SAMPLING,
     WARMUP_BY_RATIO,
@@ -105,6 +106,7 @@ def chosen_policy_losses() -> tuple[str, ...]:
 
 
 NONNEG = "[0, inf)"
+SEED = "[0, 4294967295]"
 # Adam's step, up to lr / (1 - beta1) with beta1 < 1 in float64 (a factor below 1e16), must stay a float32
 RATE = "[0, 1e10]"
 POSITIVE_RATE = "(0, 1e10]"
@@ -219,6 +221,8 @@ class ActorConfig:
     # each epoch's mini-batches drawn afresh from a seeded order, as textbook PPO does; false: the
     # batch's own order every epoch (verl's default, which keeps GRPO's groups together)
     shuffle: bool = setting(True)
+    # the mini-batch order's seed, drawn afresh at every update (verl's make_iterator)
+    data_loader_seed: int = setting(42, SEED, needs=SHUFFLED)
     clip_ratio: float = setting(0.2, "[0, 1)", needs=(LOSS_TAKES, ONE_CLIP_BOUND_UNSET))
     # >= 1: no lower bound on the ratio (CISPO's recipe sets 10), as verl accepts
     clip_ratio_low: float | None = setting(None, NONNEG, needs=LOSS_TAKES)
@@ -324,6 +328,7 @@ class CriticConfig:
     ppo_epochs: int | None = setting(None, COUNT)  # None: actor.ppo_epochs (verl interpolates the same way)
     ppo_mini_batch_size: int | None = setting(None, COUNT)  # prompts per step; None: actor.ppo_mini_batch_size
     shuffle: bool | None = setting(None)  # None: actor.shuffle (as verl interpolates)
+    data_loader_seed: int = setting(42, SEED, needs=SHUFFLED)  # verl's critic has its own, 42 too
     ppo_micro_batch_size_per_gpu: int | None = setting(None, COUNT, needs=CRITIC_ROWS, resumable=True)
     use_dynamic_bsz: bool = setting(False, resumable=True)  # as actor.use_dynamic_bsz, for the update and values
     ppo_max_token_len_per_gpu: int = setting(32768, COUNT, needs=DYNAMIC_BSZ, resumable=True)
@@ -449,7 +454,7 @@ class TrainerConfig:
     # trainer.total_epochs passes over the prompts make
     total_training_steps: int | None = setting(1500, COUNT, resumable=True)
     # below 2**32 as numpy's seeds: refppo derives further seeds from it by adding offsets
-    seed: int = setting(0, "[0, 4294967295]", commands=COMMANDS)
+    seed: int = setting(0, SEED, commands=COMMANDS)
     device: str = setting("auto", DEVICES, commands=COMMANDS, resumable=True)
     output_dir: str = setting("runs/ppo", commands=COMMANDS, resumable=True)  # the run folder
     # steps between checkpoints (and one at the end); -1: only at the end

@@ -57,12 +57,14 @@ def command_settings(command: str, given: list[str]) -> tuple[Config, list[str]]
     defaults = []
     if is_verl_line(given):
         config = apply_overrides(fresh(), overrides)
+        # verl's defaults decide what verl reads (its actor.shuffle=false leaves data_loader_seed unread)
+        config = apply_overrides(config, verl_line_defaults(config, overrides, command))
         unread = ignored_settings(config, command)
         for item in [item for item in overrides if item.partition("=")[0].strip() in unread]:
             key = item.partition("=")[0].strip()
             notes.append(f"{item} is not read: {key} is read only with {unread[key]} (verl leaves it unread too)")
             overrides.remove(item)
-        defaults = verl_line_defaults(config, overrides, command)
+        defaults = verl_line_defaults(apply_overrides(fresh(), overrides), overrides, command)
         if defaults:
             notes.append(
                 f"a verl command line: verl 0.9's defaults where refppo's are for tiny models: {' '.join(defaults)}"

@@ -371,8 +371,6 @@ MISSING = {
             "critic.forward_micro_batch_size",
         )
     },
-    "actor_rollout_ref.actor.data_loader_seed": ("42", "a mini-batch order seeded apart from trainer.seed"),
-    "critic.data_loader_seed": ("42", "a mini-batch order seeded apart from trainer.seed"),
     "data.validation_shuffle": ("false", "a shuffled evaluation order"),
     "reward.reward_manager.source": ("register", "reward managers from a file"),
     "actor_rollout_ref.actor.router_replay.mode": ("disabled", "replaying MoE routing"),

@@ -22,8 +22,9 @@ Update
    ``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation; of a row count,
    or of a token budget with ``use_dynamic_bsz``), each model with its own optimiser, gradient
    clipping and LR schedule (:mod:`refppo.training.update`). Rows are reshuffled every epoch, as
-   textbook PPO does; with ``actor.shuffle=false`` (verl's default) every epoch cuts the batch in
-   its order, as verl does (verl's batch is first reordered by length to balance its GPUs).
+   textbook PPO does, in verl's seeded order (``data_loader_seed``); with ``actor.shuffle=false``
+   (verl's default) every epoch cuts the batch in its order, as verl does on one GPU (with several,
+   verl first reorders the batch to balance their tokens).
 
 9. Metrics, in verl's names, gathered to the host in one transfer.
 
@@ -167,7 +168,6 @@ class PPOTrainer:
         self.learners = {"actor": self._learner("actor", actor)}
         if self.use_critic:
             self.learners["critic"] = self._learner("critic", critic)
-        self.shuffle_gen = torch.Generator().manual_seed(c.trainer.seed + 1)  # mini-batch order
         self.step = 0
         self.last_update_stats: list[dict[str, float]] = []  # per actor mini-batch, for inspection
 
@@ -192,6 +192,7 @@ class PPOTrainer:
             mini_rows=setting("ppo_mini_batch_size") * c.rollout.n,
             micro_rows=getattr(c, role).ppo_micro_batch_size_per_gpu,
             shuffle=setting("shuffle"),
+            seed=getattr(c, role).data_loader_seed,
             grad_clip=getattr(c, role).optim.clip_grad,
             passes=self.accel.actor if role == "actor" else self.accel.critic,
         )
@@ -495,7 +496,7 @@ class PPOTrainer:
         learner.model.train()
         with timer(timing, f"update_{learner.name}", self.device):
             settings = self._update_settings(learner.name)
-            stats = minibatch_updates(batch, learner, settings, micro_loss, self.shuffle_gen, self.world)
+            stats = minibatch_updates(batch, learner, settings, micro_loss, self.world)
         learner.model.eval()
         learner.schedule.step()
         lr = torch.tensor(learner.schedule.get_last_lr()[0])
@@ -594,7 +595,6 @@ class PPOTrainer:
         state = {"step": self.step, "kl_ctrl": vars(self.kl_ctrl).copy(), "sampler": self.sampler.state_dict()}
         state |= {f"{name}_sched": learner.schedule.state_dict() for name, learner in self.learners.items()}
         state |= {
-            "shuffle_gen": self.shuffle_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
@@ -609,6 +609,5 @@ class PPOTrainer:
         self.step = state["step"]
         vars(self.kl_ctrl).update(state["kl_ctrl"])
         self.sampler.load_state_dict(state["sampler"])
-        self.shuffle_gen.set_state(state["shuffle_gen"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

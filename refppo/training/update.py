@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import DataLoader
 
 from refppo import distributed
 from refppo.distributed import World
@@ -62,6 +63,7 @@ class UpdateSettings:
         mini_rows: rows per optimiser step (``ppo_mini_batch_size`` x ``rollout.n``).
         micro_rows: rows per forward pass (``ppo_micro_batch_size_per_gpu``; None: the mini-batch).
         shuffle: each epoch's mini-batches in a fresh order (``shuffle``); else the batch's order.
+        seed: the order's seed (``data_loader_seed``), the same at every update.
         grad_clip: the model's gradient clip.
         passes: the forward passes of :mod:`refppo.accel`, whose ``micro_batches`` splits a
             mini-batch (by rows, or by a token budget).
@@ -71,6 +73,7 @@ class UpdateSettings:
     mini_rows: int
     micro_rows: int | None
     shuffle: bool
+    seed: int
     grad_clip: float
     passes: object
 
@@ -80,11 +83,10 @@ def minibatch_updates(
     learner: Learner,
     settings: UpdateSettings,
     micro_loss: Callable,
-    shuffle_gen: torch.Generator,
     world: World,
 ) -> list[dict[str, torch.Tensor]]:
-    """``settings.epochs`` x mini-batches of ``settings.mini_rows`` rows (shuffled, or in the
-    batch's order) x micro-batches; returns one dict of stats per mini-batch.
+    """``settings.epochs`` x mini-batches of ``settings.mini_rows`` rows (:func:`minibatch_rows`)
+    x micro-batches; returns one dict of stats per mini-batch.
 
     Each term of a micro-batch's loss is weighted by its mode's share of the mini-batch
     (:func:`refppo.losses.agg_loss_weight`), so the accumulated gradient is the mini-batch loss's
@@ -100,41 +102,60 @@ def minibatch_updates(
         learner: the model to update.
         settings: how its update splits the batch.
         micro_loss: micro-batch -> ({name: :class:`LossTerm`}, {name: detached scalar}).
-        shuffle_gen: the mini-batches' order, drawn again every epoch (with ``settings.shuffle``).
         world: the processes.
     """
     rows = batch["response_mask"].shape[0]
     device = batch["response_mask"].device
     per_mini = []
     with value_checks(False):  # evaluate checked the batch once; no host sync per micro-batch
-        for _ in range(settings.epochs):
-            if settings.shuffle:
-                order = torch.randperm(rows, generator=shuffle_gen).to(device)
-            else:  # verl's default: its DataLoader over the batch's rows, unshuffled
-                order = torch.arange(rows, device=device)
-            for idx in order.split(settings.mini_rows):
-                mini = {k: v[idx] for k, v in batch.items()}
-                mine = distributed.take_share(mini, world)
-                learner.optimizer.zero_grad(set_to_none=True)
-                stats: dict[str, torch.Tensor] = {}
-                for _, mb in settings.passes.micro_batches(mine, settings.micro_rows):
-                    terms, micro_stats = micro_loss(mb)
-                    share = mb["response_mask"].sum() / mini["response_mask"].sum()
-                    loss = 0.0
-                    for name, term in terms.items():
-                        weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], term.mode)
-                        if term.coefficient != 0:  # a logged-only term gets no gradient path
-                            loss = loss + term.coefficient * weight * term.value
-                        stats[name] = stats.get(name, 0.0) + weight * term.value.detach()
-                    loss.backward()
-                    # verl's <role>/loss: the mini-batch's whole loss, its micro-batches' summed
-                    stats[f"{learner.name}/loss"] = stats.get(f"{learner.name}/loss", 0.0) + loss.detach()
-                    for k, v in micro_stats.items():
-                        stats[k] = stats.get(k, 0.0) + share * v
-                stats = distributed.sum_stats(stats, world)
-                stats |= optimizer_step(learner, settings.grad_clip)
-                per_mini.append(stats)
+        for idx in minibatch_rows(rows, settings):
+            mini = {k: v[idx.to(device)] for k, v in batch.items()}
+            mine = distributed.take_share(mini, world)
+            learner.optimizer.zero_grad(set_to_none=True)
+            stats: dict[str, torch.Tensor] = {}
+            for _, mb in settings.passes.micro_batches(mine, settings.micro_rows):
+                terms, micro_stats = micro_loss(mb)
+                share = mb["response_mask"].sum() / mini["response_mask"].sum()
+                loss = 0.0
+                for name, term in terms.items():
+                    weight = agg_loss_weight(mb["response_mask"], mini["response_mask"], term.mode)
+                    if term.coefficient != 0:  # a logged-only term gets no gradient path
+                        loss = loss + term.coefficient * weight * term.value
+                    stats[name] = stats.get(name, 0.0) + weight * term.value.detach()
+                loss.backward()
+                # verl's <role>/loss: the mini-batch's whole loss, its micro-batches' summed
+                stats[f"{learner.name}/loss"] = stats.get(f"{learner.name}/loss", 0.0) + loss.detach()
+                for k, v in micro_stats.items():
+                    stats[k] = stats.get(k, 0.0) + share * v
+            stats = distributed.sum_stats(stats, world)
+            stats |= optimizer_step(learner, settings.grad_clip)
+            per_mini.append(stats)
     return per_mini
+
+
+def minibatch_rows(rows: int, settings: UpdateSettings) -> list[torch.Tensor]:
+    """The rows of an update's mini-batches, in the order they are trained on: verl 0.9's
+    ``make_iterator`` (``verl/utils/tensordict_utils.py``) on one process, a DataLoader over the
+    row numbers for ``settings.epochs`` epochs. Shuffled, each epoch draws a fresh order from one
+    generator seeded with ``settings.seed`` at every update, so two updates of as many rows go
+    through the same orders; else every epoch is the batch's order. Several processes take the
+    one-process order, each its consecutive share of every mini-batch, so a run's numbers do not
+    depend on the process count (verl's ranks each shuffle their own rows, seeded seed + rank).
+
+    Args:
+        rows: B, the batch's rows (a multiple of ``settings.mini_rows``).
+        settings: the update's epochs, mini-batch rows, shuffle and seed.
+
+    Returns:
+        epochs x B / mini_rows index tensors of ``settings.mini_rows`` rows each (int64, on the CPU).
+    """
+    # torch's DataLoader itself, as verl's: it draws a seed from the generator before each epoch's
+    # permutation, and the next epoch's order depends on that draw
+    generator = torch.Generator().manual_seed(settings.seed)
+    rows_loader = DataLoader(
+        torch.arange(rows), batch_size=settings.mini_rows, shuffle=settings.shuffle, generator=generator
+    )
+    return [idx for _ in range(settings.epochs) for idx in rows_loader]
 
 
 def optimizer_step(learner: Learner, grad_clip: float) -> dict[str, torch.Tensor]:
