@@ -662,6 +662,59 @@ def test_a_line_for_ascend_npus_runs_on_the_accelerator_found_as_verls_does():
         command_settings("ppo", ["trainer.device=tpu"])
 
 
+def test_megatron_lites_configuration_group_is_an_engine_choice():
+    """Two verl example lines compose Megatron Lite's actor from its own package
+    (``hydra.searchpath=[pkg://verl_mlite.config]``, ``actor@actor_rollout_ref.actor=mlite_actor``):
+    its ``mlite_actor.yaml`` (Megatron-LM's ``experimental/lite/examples/verl``) is verl's
+    ``actor.yaml`` with Megatron's optimizer and Megatron Lite's engine settings, as verl's own
+    ``megatron_actor.yaml`` is with Megatron's engine. The two are noted as engine settings; any
+    other search path or group is still refused."""
+    line = ["hydra.searchpath=[pkg://verl_mlite.config]", "actor@actor_rollout_ref.actor=mlite_actor"]
+    config, notes = command_settings("ppo", [*line, "actor_rollout_ref.actor.optim.lr_decay_style=constant"])
+    plain, _ = command_settings("ppo", ["actor_rollout_ref.actor.optim.lr_decay_style=constant"])
+    assert config == plain
+    assert [n for n in notes if "Megatron Lite" in n] == [
+        f"{item} is a setting of verl's engine (Megatron Lite's {what}): it has no effect in refppo"
+        for item, what in zip(
+            line,
+            [
+                "configuration package, verl_mlite",
+                "actor: verl's actor settings with Megatron's optimizer, trained by Megatron Lite's engine",
+            ],
+        )
+    ]
+    with pytest.raises(ValueError, match="refppo does not implement Hydra's own settings"):
+        command_settings("ppo", ["hydra.searchpath=[pkg://another.config]"])
+    with pytest.raises(ValueError, match="refppo does not implement Hydra's package overrides"):
+        command_settings("ppo", ["actor@actor_rollout_ref.actor=another_actor"])
+
+
+def test_verls_v1_trainer_settings_are_classed_by_what_they_change():
+    """verl 0.9's ``main_ppo`` runs its V1 trainer by default (``trainer.use_v1``), whose mode
+    (``get_trainer_cls(config.trainer.v1.trainer_mode)``) is synchronous unless set: its
+    asynchronous modes train on rollouts of older weights, refused; its ``ReplayBuffer``
+    (``verl/trainer/ppo/v1/replay_buffer.py``) says ``max_off_policy_strategy`` does nothing in the
+    synchronous mode, noted; a sampler class from a file is refused unless null. The trainer choice
+    itself is noted with where the two trainers differ (appendix B.6)."""
+    _, notes = command_settings("ppo", ["trainer.use_v1=false"])
+    assert notes[0].startswith("trainer.use_v1=false: verl 0.9's V1 trainer (true, its default) and its RayPPOTrainer")
+    assert "appendix B.6" in notes[0]
+    _, notes = command_settings(
+        "ppo",
+        [
+            "trainer.v1.trainer_mode=sync",
+            "trainer.v1.sampler.custom_sampler.name=null",
+            "trainer.v1.sampler.max_off_policy_strategy=wait",
+        ],
+    )
+    assert "trainer.v1.trainer_mode=sync is refppo's behaviour already" in notes[0]
+    assert "max_off_policy_strategy=wait is a setting of verl's engine" in notes[2]
+    with pytest.raises(ValueError, match="does not implement the V1 trainer's asynchronous modes"):
+        command_settings("ppo", ["trainer.v1.trainer_mode=separate_async"])
+    with pytest.raises(ValueError, match="does not implement a replay-buffer sampler from a file"):
+        command_settings("ppo", ["trainer.v1.sampler.custom_sampler.path=my_sampler.py"])
+
+
 def test_every_key_of_verls_configuration_has_a_class():
     """Each of verl 0.9's ppo_trainer and ppo_megatron_trainer keys (its generated YAMLs, tests/data),
     given at its default, is taken, noted as an engine setting, dropped as unread, accepted at its

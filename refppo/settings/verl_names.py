@@ -155,6 +155,7 @@ UNREAD_BY_VERL = {
         for k in ("max_concurrent", "memory_limit_mb")
     },  # noqa: E501
     "data.return_multi_modal_inputs": "read only with image, video or audio inputs",
+    "trainer.v1.sampler.sampler_kwargs": "read only with trainer.v1.sampler.custom_sampler",
     "critic.model.lora_alpha": "read only with a LoRA critic (critic.model.lora_rank > 0)",
     # verl's main_ppo loads the tokenizer with the actor's model (_init_tokenizer in
     # verl/trainer/ppo/v1/trainer_base.py); only its experimental trainers read data's
@@ -191,6 +192,7 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.actor.freeze_vision_tower": "vision-language models",
     "data.tokenizer": "a tokenizer other than the model's",
     "data.seed": "a prompt order seeded apart from trainer.seed",
+    "trainer.v1.sampler.custom_sampler.": "a replay-buffer sampler from a file",
     "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn and tool-calling rollouts",
     **{
         f"{role}.{k}": f"{what} (null: the model's own)"
@@ -279,7 +281,12 @@ ENGINE = (
     "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.nccl_timeout", "critic.nccl_timeout",
     "actor_rollout_ref.ref.use_torch_compile",
     "trainer.nnodes", "trainer.n_gpus_per_node",
-    "trainer.balance_batch", "trainer.use_v1", "trainer.v1.", "trainer.default_hdfs_dir",
+    "trainer.balance_batch", "trainer.default_hdfs_dir",
+    # the V1 trainer's replay buffer: its asynchronous modes' settings (trainer_mode is MISSING) and
+    # its handling of rollouts that failed, which refppo's never do
+    "trainer.v1.sync", "trainer.v1.colocate_async.", "trainer.v1.separate_async.",
+    "trainer.v1.sampler.max_off_policy_strategy", "trainer.v1.sampler.max_off_policy_threshold",
+    "trainer.v1.sampler.sync_refill_failed_groups",
     "trainer.del_local_ckpt_after_load", "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
     "data.dataloader_num_workers", "data.use_shm", "data.return_raw_chat", "data.return_raw_input_ids",
@@ -334,6 +341,11 @@ MISSING = {
     "data.reward_fn_key": ("data_source", "choosing the rule by another column"),
     "data.gen_batch_size": ("null", "a generation batch other than data.train_batch_size"),
     "trainer.val_only": ("false", "validation-only runs"),
+    # verl's ReplayBuffer: an asynchronous mode trains on rollouts of older weights
+    "trainer.v1.trainer_mode": (
+        "sync",
+        "the V1 trainer's asynchronous modes, whose steps train on rollouts of older weights",
+    ),
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": (
         "false",
         "replaying the rollout's MoE routing in training",
@@ -375,6 +387,24 @@ MISSING = {
     "reward.reward_manager.source": ("register", "reward managers from a file"),
     "actor_rollout_ref.actor.router_replay.mode": ("disabled", "replaying MoE routing"),
     "actor_rollout_ref.ref.router_replay.mode": ("disabled", "replaying MoE routing"),
+}
+
+# Configuration groups from outside verl that its example lines compose, and the one value each
+# takes here. Megatron Lite's package (verl_mlite, in Megatron-LM's experimental/lite/examples/verl)
+# makes its mlite_actor of verl's actor.yaml, Megatron's optimizer (optim/megatron.yaml) and its
+# own engine's settings, as verl's megatron_actor.yaml makes Megatron's: the same settings as a
+# Megatron line's, on another training engine.
+ENGINE_GROUPS = {
+    ("hydra.searchpath", "[pkg://verl_mlite.config]"): "Megatron Lite's configuration package, verl_mlite",
+    ("actor@actor_rollout_ref.actor", "mlite_actor"): "Megatron Lite's actor: verl's actor settings with "
+    "Megatron's optimizer, trained by Megatron Lite's engine",
+}
+
+# verl 0.9's two trainers (main_ppo's trainer.use_v1): they compute a default line's step alike
+# but where appendix B.6 lists; refppo's step is one of them in each of those places.
+TRAINERS = {
+    "trainer.use_v1": "verl 0.9's V1 trainer (true, its default) and its RayPPOTrainer (false) compute a step alike "
+    "but for a few readings; refppo follows one of them in each (appendix B.6 lists them)",
 }
 
 # verl's main_ppo runs on the accelerator it detects, whatever trainer.device names
@@ -541,12 +571,21 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
             continue
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
+        if sep and (full, _plain(text)) in ENGINE_GROUPS:
+            notes.append(
+                f"{key}={text} is a setting of verl's engine ({ENGINE_GROUPS[full, _plain(text)]}): it has "
+                "no effect in refppo"
+            )
+            continue
         off_note = _not_implemented(key, full, sep, text)
         if off_note is not None:
             notes.append(off_note)
             continue
         if sep and full == "critic.enable":
             critic_enable = text
+            continue
+        if sep and full in TRAINERS:
+            notes.append(f"{key}={text}: {TRAINERS[full]}")
             continue
         if sep and full in UNREAD_BY_VERL:
             notes.append(f"{key}={text} is not read: {UNREAD_BY_VERL[full]} (verl leaves it unread too)")
@@ -661,7 +700,7 @@ def is_verl_line(overrides: list[str]) -> bool:
     ``actor_rollout_ref.actor.optim.lr``, ``trainer.default_local_dir``, a setting of verl's engine
     or one refppo lacks): a verl command line."""
     keys = [item.partition("=")[0].strip().lstrip("+") for item in overrides]
-    verl_only = {*NAMES, *KEY_VALUES, *MISSING}
+    verl_only = {*NAMES, *KEY_VALUES, *MISSING, *TRAINERS}
     return any(key.startswith(FULL) or key in verl_only or _is_engine(full_path(key)) for key in keys)
 
 

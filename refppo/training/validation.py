@@ -24,7 +24,7 @@ from refppo import distributed
 from refppo.rollout.prompts import decode_texts
 
 N_BOOTSTRAP = 1000
-CORE_PREFIXES = ("mean", "maj", "best", "pass")
+CORE_PREFIXES = ("mean", "maj", "best")  # verl's _val_metrics_update; refppo's own pass@k is auxiliary
 
 
 def subset_sizes(n: int) -> list[int]:
@@ -91,8 +91,8 @@ def validation_metrics(
 
     Each prompt's responses give :func:`prompt_metrics` per variable; a metric is then averaged
     over the prompts of its data source. It is ``val-core`` when its variable is the core one
-    (``acc`` if present, else ``reward``), its name starts with mean, maj, best (or pass) and it
-    is at the largest k; ``val-aux`` otherwise.
+    (``acc`` if present, else ``reward``), its name starts with mean, maj or best and it is at the
+    largest k; ``val-aux`` otherwise (pass@k, which verl does not compute, included).
 
     Args:
         sources: (M,) each response's data source.
