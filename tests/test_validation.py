@@ -214,7 +214,7 @@ def test_multi_sample_validation_in_a_run(sft_model, tmp_path):
         row = next(r for r in rows if r["step"] == step and "val/score" in r)
         mean = sum(g["score"] for g in mine) / 24
         assert row["val-core/arithmetic/acc/mean@3"] == pytest.approx(mean, abs=1e-12)
-        assert {"val-core/arithmetic/acc/maj@3/mean", "val-core/arithmetic/acc/pass@3"} <= set(row)
+        assert {"val-core/arithmetic/acc/maj@3/mean", "val-aux/arithmetic/acc/pass@3"} <= set(row)
         assert row["val-core/arithmetic/acc/best@3/mean"] >= row["val-core/arithmetic/acc/mean@3"]
 
 
