@@ -157,3 +157,23 @@ def test_apply_bypass_mode_sets_verls_loss_mode_and_leaves_the_config_as_it_was(
     assert bypass.policy_loss.rollout_correction.loss_type == "reinforce"
     assert "rollout_correction" not in config.policy_loss and isinstance(bypass.policy_loss, ConfigView)
     assert math.isclose(bypass.clip_ratio, config.clip_ratio)
+
+
+def test_verls_documented_bypass_line_names_the_loss_refppo_computes():
+    """verl's documentation (``docs/algo/rollout_corr.md``) has a bypass-mode line also set
+    ``policy_loss.loss_mode=bypass_mode``: verl's workers fix their loss from their own settings
+    (``ActorRolloutRefWorker.init_model`` in ``verl/workers/engine_workers.py``:
+    ``partial(ppo_loss, config=actor_config)``), and ``apply_bypass_mode``
+    (``verl/trainer/ppo/rollout_corr_helper.py``) changes only the trainer's copy. refppo's bypass
+    mode computes that loss, so the name is accepted beside ``bypass_mode=true`` (the same run) and
+    refused without it."""
+    from refppo.settings.conditions import policy_loss_in_use
+    from refppo.settings.overrides import command_settings
+
+    line = ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.n=2"]
+    named, notes = command_settings("ppo", [*line, "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"])
+    plain, _ = command_settings("ppo", line)
+    assert named == plain and policy_loss_in_use(named) == "bypass_mode"
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode is refppo's loss in bypass mode" in notes[0]
+    with pytest.raises(ValueError, match="give it with algorithm.rollout_correction.bypass_mode=true"):
+        command_settings("ppo", ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"])

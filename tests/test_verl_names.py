@@ -191,6 +191,14 @@ def test_each_name_in_verls_registries_runs_or_is_refused_naming_what_is_missing
         if (key, name) in MISSING_CHOICES:
             with pytest.raises(ValueError, match=f"{key}={name}: refppo does not implement "):
                 translate([f"{key}={name}"])
+        elif name == "bypass_mode":  # bypass mode's own loss: refppo's in bypass mode, and only there
+            with pytest.raises(ValueError, match="give it with algorithm.rollout_correction.bypass_mode=true"):
+                translate([f"{key}={name}"])
+            lines, notes = translate(["algorithm.rollout_correction.bypass_mode=true", f"{key}={name}"])
+            assert lines == ["algorithm.rollout_correction.bypass_mode=true"]
+            assert notes == [
+                f"{key}={name} is refppo's loss in bypass mode (algorithm.rollout_correction.bypass_mode=true)"
+            ]
         else:
             (line,), _ = translate([f"{key}={name}"])
             assert line.partition("=")[2] in registry.names(), name

@@ -416,8 +416,6 @@ DETECTED_DEVICES = ("npu",)
 MISSING_CHOICES = {
     ("algorithm.adv_estimator", "rloo_vectorized"): "verl's vectorised RLOO, which gives a group of one 0 "
     "(algorithm.adv_estimator=rloo keeps its score, as verl's rloo)",
-    ("actor.policy_loss", "bypass_mode"): "choosing bypass mode's loss by name, which verl's trainer picks "
-    "itself: set algorithm.rollout_correction.bypass_mode=true (and its loss_type, ppo_clip or reinforce)",
 }
 
 
@@ -508,6 +506,23 @@ def _critic_enable(text: str, translated: list[str], notes: list[str]) -> None:
     notes.append(f"critic.enable={text} is refppo's behaviour already with algorithm.adv_estimator={estimator}")
 
 
+def _bypass_loss(key: str, text: str, translated: list[str], notes: list[str]) -> None:
+    """verl's bypass-mode loss chosen by name (``policy_loss.loss_mode=bypass_mode``), as verl's
+    documentation has a bypass-mode line do: its workers take the loss from their own settings, and
+    ``apply_bypass_mode`` (``verl/trainer/ppo/rollout_corr_helper.py``) changes only the trainer's
+    copy. refppo's bypass mode computes that loss, so the name is its behaviour beside
+    ``algorithm.rollout_correction.bypass_mode=true`` and refused without it."""
+    modes = [
+        item.partition("=")[2] for item in translated if item.startswith("algorithm.rollout_correction.bypass_mode=")
+    ]
+    if not modes or _plain(modes[-1]) != "true":
+        raise ValueError(
+            f"{key}={text}: refppo computes bypass mode's loss in bypass mode: give it with "
+            "algorithm.rollout_correction.bypass_mode=true (and its loss_type, ppo_clip or reinforce)"
+        )
+    notes.append(f"{key}={text} is refppo's loss in bypass mode (algorithm.rollout_correction.bypass_mode=true)")
+
+
 def _not_implemented(key: str, full: str, sep: str, text: str) -> str | None:
     """For a key of :data:`NOT_IMPLEMENTED`: a ValueError naming what refppo lacks, unless the value
     turns the feature off (then the note that says so); None for any other key."""
@@ -562,6 +577,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     notes = []
     lengths = {}
     critic_enable = None
+    bypass_loss = None
     dicts: dict[str, dict] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -580,6 +596,9 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         off_note = _not_implemented(key, full, sep, text)
         if off_note is not None:
             notes.append(off_note)
+            continue
+        if sep and refppo_key(key) == "actor.policy_loss" and _plain(text) == "bypass_mode":
+            bypass_loss = (key, text)
             continue
         if sep and full == "critic.enable":
             critic_enable = text
@@ -613,6 +632,8 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     out += [f"{name}={json.dumps(entries)}" for name, entries in dicts.items()]
     if critic_enable is not None:
         _critic_enable(critic_enable, out, notes)
+    if bypass_loss is not None:
+        _bypass_loss(*bypass_loss, out, notes)
     out = _sequence_parallel_budgets(out, overrides, notes)
     keys = {item.partition("=")[0].strip() for item in out}
     if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
