@@ -17,7 +17,9 @@ Where verl's documentation and code disagree, these follow its code at v0.9.0.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+from collections.abc import Callable
 
 from refppo.advantages import needs_critic
 from refppo.losses import POLICY_LOSS_SETTINGS
@@ -523,6 +525,22 @@ def _bypass_loss(key: str, text: str, translated: list[str], notes: list[str]) -
     notes.append(f"{key}={text} is refppo's loss in bypass mode (algorithm.rollout_correction.bypass_mode=true)")
 
 
+def _line_check(key: str, full: str, sep: str, text: str) -> Callable[[list[str], list[str]], None] | None:
+    """For a verl setting read against the rest of the line (``critic.enable``, bypass mode's loss
+    by name): its check, to run on the translated line with the notes; None for any other setting."""
+    if sep and full == "critic.enable":
+        return functools.partial(_critic_enable, text)
+    if sep and refppo_key(key) == "actor.policy_loss" and _plain(text) == "bypass_mode":
+        return functools.partial(_bypass_loss, key, text)
+    return None
+
+
+def _engine_note(key: str, text: str, what: str | None = None) -> str:
+    """The note for a setting of verl's engine (``what`` names it where the key alone does not)."""
+    named = "" if what is None else f" ({what})"
+    return f"{key}={text} is a setting of verl's engine{named}: it has no effect in refppo"
+
+
 def _not_implemented(key: str, full: str, sep: str, text: str) -> str | None:
     """For a key of :data:`NOT_IMPLEMENTED`: a ValueError naming what refppo lacks, unless the value
     turns the feature off (then the note that says so); None for any other key."""
@@ -576,8 +594,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     out = []
     notes = []
     lengths = {}
-    critic_enable = None
-    bypass_loss = None
+    line_checks = []
     dicts: dict[str, dict] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -588,20 +605,15 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         if key in RENAMED:
             raise ValueError(f"{key} is now {RENAMED[key]} (verl 0.9's names)")
         if sep and (full, _plain(text)) in ENGINE_GROUPS:
-            notes.append(
-                f"{key}={text} is a setting of verl's engine ({ENGINE_GROUPS[full, _plain(text)]}): it has "
-                "no effect in refppo"
-            )
+            notes.append(_engine_note(key, text, ENGINE_GROUPS[full, _plain(text)]))
             continue
         off_note = _not_implemented(key, full, sep, text)
         if off_note is not None:
             notes.append(off_note)
             continue
-        if sep and refppo_key(key) == "actor.policy_loss" and _plain(text) == "bypass_mode":
-            bypass_loss = (key, text)
-            continue
-        if sep and full == "critic.enable":
-            critic_enable = text
+        check = _line_check(key, full, sep, text)
+        if check is not None:
+            line_checks.append(check)
             continue
         if sep and full in TRAINERS:
             notes.append(f"{key}={text}: {TRAINERS[full]}")
@@ -613,7 +625,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
             lengths[ROLLOUT_LENGTHS[full]] = (key, text.strip())
             continue
         if sep and _is_engine(full):
-            notes.append(f"{key}={text} is a setting of verl's engine: it has no effect in refppo")
+            notes.append(_engine_note(key, text))
             continue
         if sep and full in MISSING:
             off, what = MISSING[full]
@@ -630,10 +642,8 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         out.append(_refppo_setting(key, sep, text, notes))
     out += _rollout_lengths(lengths, out, notes)
     out += [f"{name}={json.dumps(entries)}" for name, entries in dicts.items()]
-    if critic_enable is not None:
-        _critic_enable(critic_enable, out, notes)
-    if bypass_loss is not None:
-        _bypass_loss(*bypass_loss, out, notes)
+    for check in line_checks:
+        check(out, notes)
     out = _sequence_parallel_budgets(out, overrides, notes)
     keys = {item.partition("=")[0].strip() for item in out}
     if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
