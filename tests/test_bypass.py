@@ -177,3 +177,37 @@ def test_verls_documented_bypass_line_names_the_loss_refppo_computes():
     assert "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode is refppo's loss in bypass mode" in notes[0]
     with pytest.raises(ValueError, match="give it with algorithm.rollout_correction.bypass_mode=true"):
         command_settings("ppo", ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"])
+
+
+def test_verls_worker_side_rollout_correction_settings_are_read_only_by_bypass_modes_loss():
+    """verl 0.9's ``compute_policy_loss_bypass_mode`` (``verl/trainer/ppo/core_algos.py``) reads the
+    rollout correction settings from the workers' ``policy_loss.rollout_correction`` (a field of
+    ``PolicyLossConfig`` its YAML lacks, so a line adds it with ``+``), and no other loss reads
+    them. On a line that chooses that loss by name they are refppo's
+    ``algorithm.rollout_correction.*``, which must agree where both are given (verl's documentation
+    has a bypass line give both); on any other line verl leaves them unread, and so does refppo."""
+    from refppo.settings.overrides import command_settings
+
+    bypass = ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.n=2"]
+    by_name = [*bypass, "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"]
+    worker = "+actor_rollout_ref.actor.policy_loss.rollout_correction"
+    rs = [
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+    ]
+    expected, _ = command_settings("ppo", [*by_name, *rs])
+    given, notes = command_settings(
+        "ppo", [*by_name, f"{worker}.rollout_rs=token_k1", f"{worker}.rollout_rs_threshold=0.5_2.0"]
+    )
+    assert given == expected and given.algorithm.rollout_correction.rollout_rs == "token_k1"
+    assert any("is refppo's algorithm.rollout_correction.rollout_rs, which its bypass-mode loss" in n for n in notes)
+    both, _ = command_settings("ppo", [*by_name, *rs, f"{worker}.rollout_rs=token_k1"])
+    assert both == expected, "the same value in both places is one setting"
+    with pytest.raises(ValueError, match="verl's bypass loss reads the first, and refppo's one setting is"):
+        command_settings("ppo", [*by_name, *rs, f"{worker}.rollout_rs=seq_max_k2"])
+    plain, _ = command_settings("ppo", bypass)
+    unread, notes = command_settings("ppo", [*bypass, f"{worker}.rollout_rs=token_k1", f"{worker}.bypass_mode=true"])
+    assert unread == plain
+    assert sum("verl's workers read it only in bypass mode's loss" in n for n in notes) == 2
+    named, notes = command_settings("ppo", [*by_name, f"{worker}.bypass_mode=false"])  # no worker reads it
+    assert named == plain and any("verl's workers read it only in bypass mode's loss" in n for n in notes)

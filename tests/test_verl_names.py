@@ -23,6 +23,7 @@ from refppo.settings.verl_names import (
     MISSING_CHOICES,
     NAMES,
     RENAMED,
+    UNREAD_BY_VERL,
     full_path,
     refppo_key,
     translate,
@@ -35,6 +36,12 @@ VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys
 MEGATRON = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_megatron_trainer_keys.json").read_text())[
     "defaults"
 ]
+# the fields of verl 0.9's config dataclasses that its generated YAMLs lack (a line adds them with "+")
+DATACLASS_KEYS = {
+    key: record["default"]
+    for name in ("verl_0_9_0_ppo_trainer_keys.json", "verl_0_9_0_ppo_megatron_trainer_keys.json")
+    for key, record in json.loads((Path(__file__).parent / "data" / name).read_text())["dataclass_keys"].items()
+}
 # keys of verl's other configurations (VeOmni, MindSpeed, ...) that its own example scripts set
 EXAMPLE_KEYS = {
     item.partition("=")[0].lstrip("+")
@@ -87,16 +94,17 @@ def test_defaults_equal_verls_or_the_key_map_says_why():
 
 
 def test_engine_and_missing_settings_are_verl_keys_refppo_does_not_have():
-    for key in [*ENGINE, *MISSING]:
+    verl_keys = {**VERL, **MEGATRON, **DATACLASS_KEYS, **dict.fromkeys(EXAMPLE_KEYS)}
+    for key in [*ENGINE, *MISSING, *UNREAD_BY_VERL]:
         if key.endswith("."):
-            assert any(k.startswith(key) for k in [*VERL, *MEGATRON, *EXAMPLE_KEYS]), key
+            assert any(k.startswith(key) for k in verl_keys), key
         else:
-            assert key in VERL or key in MEGATRON or key in EXAMPLE_KEYS, key
+            assert key in verl_keys, key
         assert refppo_key(key) not in KEYS, key
     for key, (off, _) in MISSING.items():  # the value that turns it off is verl's default
-        if key not in VERL and key not in MEGATRON:  # a key of another configuration (VeOmni's, ...)
+        if key not in {**VERL, **MEGATRON, **DATACLASS_KEYS}:  # a key of another configuration (VeOmni's, ...)
             continue
-        theirs = VERL.get(key, MEGATRON.get(key))
+        theirs = {**DATACLASS_KEYS, **MEGATRON, **VERL}[key]
         if isinstance(theirs, str) and theirs.startswith("${"):  # an interpolation: its fallback
             theirs = theirs.rsplit(",", 1)[1].rstrip("}")
         assert format_value(theirs).lower() == off, key
@@ -725,9 +733,9 @@ def test_verls_v1_trainer_settings_are_classed_by_what_they_change():
 
 def test_every_key_of_verls_configuration_has_a_class():
     """Each of verl 0.9's ppo_trainer and ppo_megatron_trainer keys (its generated YAMLs, tests/data),
-    given at its default, is taken, noted as an engine setting, dropped as unread, accepted at its
-    off value, or refused naming what refppo lacks: never "unknown config key", which is for keys
-    verl lacks too."""
+    and each field of the config dataclasses they build that they lack (given with "+"), at its
+    default, is taken, noted as an engine setting, dropped as unread, accepted at its off value, or
+    refused naming what refppo lacks: never "unknown config key", which is for keys verl lacks too."""
     unknown = []
     for key, value in (MEGATRON | VERL).items():
         literal = not isinstance(value, (list, dict)) and not (isinstance(value, str) and value.startswith("${"))
@@ -738,6 +746,13 @@ def test_every_key_of_verls_configuration_has_a_class():
             if str(error).startswith("unknown config key"):
                 unknown.append(key)
     assert not unknown, unknown
+    for key, value in DATACLASS_KEYS.items():
+        try:
+            command_settings("ppo", [f"+{key}={format_value(value)}"])
+        except ValueError as error:
+            if str(error).startswith("unknown config key"):
+                unknown.append(key)
+    assert len(DATACLASS_KEYS) > 450 and not unknown, unknown
     with pytest.raises(ValueError, match="unknown config key 'actor.optim.lrr'; did you mean actor.optim.lr"):
         command_settings("ppo", ["actor_rollout_ref.actor.optim.lrr=1e-6"])  # a typo is still one
 
@@ -824,3 +839,45 @@ def test_the_gradient_clip_is_verls_optim_clip_grad():
         ValueError, match="actor_rollout_ref.actor.optim.grad_clip is now actor_rollout_ref.actor.optim.clip_grad"
     ):
         command_settings("ppo", ["actor_rollout_ref.actor.optim.grad_clip=0.5"])
+
+
+def test_the_fields_verls_yaml_lacks_are_classed_by_what_verl_does_with_them():
+    """What verl 0.9's code does with a field its YAML lacks: fills it itself (``ActorConfig.__post_init__``
+    sets ``engine``; ``ActorRolloutRefWorker.init_model`` in ``verl/workers/engine_workers.py`` sets the
+    actor's and reference's ``model_config`` and the reference's batch sizes; ``HFModelConfig.__post_init__``
+    what it loads from the model's path), never reads it (the reference's loss settings: its worker
+    computes no loss; ``repetition_penalty``: both agent loops sample with 1.0), reads it for its
+    engine only (vLLM's sleep mode), or reads it for the numbers refppo lacks (``model_type`` picks the
+    engine class in ``EngineRegistry.new``)."""
+    line = [
+        "+actor_rollout_ref.actor.engine={}",
+        "+actor_rollout_ref.actor.model_config.lora_rank=8",
+        "+actor_rollout_ref.ref.ppo_micro_batch_size_per_gpu=2",
+        "+actor_rollout_ref.model.hf_config=null",
+        "+actor_rollout_ref.ref.clip_ratio=0.3",
+        "+actor_rollout_ref.ref.policy_loss.loss_mode=gspo",
+        "+actor_rollout_ref.rollout.repetition_penalty=1.3",
+        "+actor_rollout_ref.rollout.enable_sleep_mode=true",
+        "+actor_rollout_ref.model.model_type=language_model",
+    ]
+    base = ["actor_rollout_ref.actor.optim.lr=1e-6"]
+    config, notes = command_settings("ppo", [*base, *line])
+    assert config == command_settings("ppo", base)[0]
+    said = {}
+    for item in line:
+        setting = item.lstrip("+")
+        said[setting.partition("=")[0]] = next(note for note in notes if note.startswith(setting))
+    assert "verl sets it to the role's engine settings" in said["actor_rollout_ref.actor.engine"]
+    model_config = said["actor_rollout_ref.actor.model_config.lora_rank"]
+    assert "verl sets it to actor_rollout_ref.model's settings" in model_config
+    assert "verl sets it from actor.ppo_mini_batch_size" in said["actor_rollout_ref.ref.ppo_micro_batch_size_per_gpu"]
+    assert "verl's model config fills it from the model's path" in said["actor_rollout_ref.model.hf_config"]
+    assert "the reference model computes no loss" in said["actor_rollout_ref.ref.clip_ratio"]
+    assert "the reference model computes no loss" in said["actor_rollout_ref.ref.policy_loss.loss_mode"]
+    assert "sample with a repetition penalty of 1.0" in said["actor_rollout_ref.rollout.repetition_penalty"]
+    assert "is a setting of verl's engine" in said["actor_rollout_ref.rollout.enable_sleep_mode"]
+    assert "it does not implement verl's other model classes" in said["actor_rollout_ref.model.model_type"]
+    with pytest.raises(ValueError, match="does not implement verl's other model classes"):
+        command_settings("ppo", ["+actor_rollout_ref.model.model_type=value_model"])
+    with pytest.raises(ValueError, match="unknown config key 'ref.clip_ratioo'"):
+        command_settings("ppo", ["+actor_rollout_ref.ref.clip_ratioo=0.3"])  # a typo under ref. is still one

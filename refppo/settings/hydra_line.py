@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from refppo.settings.config import Config, declarations
 from refppo.settings.verl_map import REFPPO_ONLY, VERL_CONFIG_PACKAGE
-from refppo.settings.verl_names import ADDED, MISSING, UNREAD_BY_VERL, full_path, refppo_key
+from refppo.settings.verl_names import ADDED, MISSING, full_path, refppo_key, unread_reason
 
 VERL_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")  # verl's own, in verl/trainer/config
 VERL_CONFIG_PATHS = ("config", "./config")  # main_ppo's own folder: Hydra reads it beside main_ppo.py
@@ -114,7 +114,7 @@ def _verl_has(key: str) -> bool:
     Engine settings are not judged: verl's scripts add some with ``+`` (its configuration lacks
     them) and set others plainly, and refppo does not keep verl's whole key list."""
     full = full_path(key)
-    if full in ADDED or full in UNREAD_BY_VERL:
+    if full in ADDED or unread_reason(full) is not None:
         return False
     name = refppo_key(key)
     if name in declarations(Config()) and name not in REFPPO_ONLY:

@@ -27,6 +27,9 @@ from refppo.losses import POLICY_LOSS_SETTINGS
 # verl's sections under actor_rollout_ref, which refppo spells without it
 SECTIONS = ("actor.", "rollout.", "ref.", "model.")
 FULL = "actor_rollout_ref."
+# verl's sections whose config dataclass has an engine field, and its two model sections
+ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+MODELS = ("actor_rollout_ref.model", "critic.model")
 # verl's name (full path) -> refppo's, where more than the actor_rollout_ref. prefix differs
 NAMES = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
@@ -65,7 +68,49 @@ ADDED = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.0,
     "reward_model.reward_kwargs.overlong_buffer_cfg.log": False,
     "reward_model.reward_kwargs.max_resp_len": None,
+    # fields of verl's HFModelConfig that refppo lacks (MISSING)
+    "actor_rollout_ref.model.model_type": "language_model",
+    **{f"{model}.load_tokenizer": True for model in MODELS},
+    "actor_rollout_ref.model.target_parameters": None,
 }
+# verl's settings of multi-turn rollouts (read only with multi_turn.enable=true): section -> keys
+MULTI_TURN_KEYS = {
+    "actor_rollout_ref.rollout.multi_turn": (
+        "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
+        "tool_response_truncate_side", "tool_config_path", "function_tool_path", "use_inference_chat_template",
+        "tokenization_sanity_check_mode", "format", "num_repeat_rollouts",
+    ),
+    "data": ("tool_config_path", "function_tool_path"),
+}  # fmt: skip
+# Fields of verl's config dataclasses that its YAML lacks and its own code fills:
+# what HFModelConfig.__post_init__ loads from the model's path,
+MODEL_LOADED = (
+    "local_path", "local_tokenizer_path", "tokenizer", "processor", "local_hf_config_path", "generation_config",
+    "hf_config", "architectures",
+)  # fmt: skip
+# and the reference's batch sizes, which ActorRolloutRefWorker.init_model sets.
+REF_BATCH_SIZES = (
+    "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu",
+)  # fmt: skip
+# The reference is built from verl's ActorConfig, whose other fields its log-prob pass never reads:
+# why, and the fields (one ending in "." stands for every key under it).
+REF_UNREAD = {
+    "the reference model computes no loss": (
+        "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "use_kl_loss",
+        "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "loss_scale_factor", "tau_pos", "tau_neg", "policy_loss.",
+        "global_batch_info",
+    ),
+    "the reference model is not trained": (
+        "optim.", "ppo_epochs", "shuffle", "data_loader_seed", "checkpoint.", "grad_clip", "qat", "profile",
+    ),
+    "verl's reference pass reads actor_rollout_ref.model's": ("use_remove_padding", "use_fused_kernels"),
+    "verl's trainer reads the actor's only": ("calculate_entropy", "calculate_sum_pi_squared", "use_prefix_grouper"),
+    "verl's reference pass takes its micro-batches from ref.log_prob_*": (
+        "ppo_infer_max_token_len_per_gpu", "ppo_infer_micro_batch_size_per_gpu",
+    ),
+    "verl's reference pass never reads it": ("freeze_vision_tower", "use_rollout_log_probs"),
+}  # fmt: skip
 # verl keys its code does not read here: added with "+" by its example lines and never read, or
 # read only with a feature refppo refuses (so unread on any line refppo accepts): dropped with a note
 UNREAD_BY_VERL = {
@@ -121,21 +166,8 @@ UNREAD_BY_VERL = {
     },
     **{
         f"{section}.{k}": "read only with multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.enable=true)"
-        for section in ("actor_rollout_ref.rollout.multi_turn", "data")
-        for k in (
-            "max_assistant_turns",
-            "max_user_turns",
-            "max_parallel_calls",
-            "max_tool_response_length",
-            "tool_response_truncate_side",
-            "tool_config_path",
-            "function_tool_path",
-            "interaction_config_path",
-            "use_inference_chat_template",
-            "tokenization_sanity_check_mode",
-            "format",
-            "num_repeat_rollouts",
-        )
+        for section, keys in MULTI_TURN_KEYS.items()
+        for k in keys
     },
     **{
         f"{role}.router_replay.{k}": "read only with router_replay.mode other than disabled"
@@ -163,7 +195,47 @@ UNREAD_BY_VERL = {
     # verl/trainer/ppo/v1/trainer_base.py); only its experimental trainers read data's
     "data.trust_remote_code": "the tokenizer is loaded with actor_rollout_ref.model.trust_remote_code "
     "(refppo's model.trust_remote_code)",
+    # Fields of verl's config dataclasses that its YAML lacks (a line adds them with "+"); a key
+    # ending in "." stands for every key under it. verl's own code fills some of them, so a value
+    # given is replaced: ActorConfig.__post_init__ and CriticConfig's (engine), ppo_loss
+    # (global_batch_info), ActorRolloutRefWorker.init_model (model_config, the reference's batch
+    # sizes), HFModelConfig.__post_init__ (what it loads from the model's path).
+    **{f"{role}.engine": "verl sets it to the role's engine settings" for role in ROLES},
+    "actor_rollout_ref.actor.global_batch_info": "verl's loss fills it at every call",
+    **{
+        f"actor_rollout_ref.{role}.model_config.": "verl sets it to actor_rollout_ref.model's settings"
+        for role in ("actor", "ref")
+    },
+    **{f"{model}.{k}": "verl's model config fills it from the model's path" for model in MODELS for k in MODEL_LOADED},
+    "critic.model.model_type": "verl's critic worker sets it to value_model",
+    "critic.model.target_parameters": "read only with a LoRA critic (critic.model.lora_rank > 0)",
+    **{
+        f"actor_rollout_ref.ref.{k}": "verl sets it from actor.ppo_mini_batch_size and ref.log_prob_*"
+        for k in REF_BATCH_SIZES
+    },
+    **{f"actor_rollout_ref.ref.{k}": why for why, keys in REF_UNREAD.items() for k in keys},
+    **{
+        f"actor_rollout_ref.actor.{k}": "the actor's log-prob pass takes its micro-batches from rollout.log_prob_*"
+        for k in ("ppo_infer_max_token_len_per_gpu", "ppo_infer_micro_batch_size_per_gpu")
+    },
+    "critic.ppo_infer_micro_batch_size_per_gpu": "verl 0.9 has no reader of it",
+    # verl's documentation names it for bypass mode, but no code of verl 0.9 reads it
+    "actor_rollout_ref.actor.use_rollout_log_probs": "verl 0.9 has no reader of it (bypass mode is "
+    "algorithm.rollout_correction.bypass_mode=true)",
+    "actor_rollout_ref.actor.profile": "verl 0.9 has no reader of it",
+    # vLLM's server would read it, but both of verl's agent loops pass repetition_penalty=1.0
+    "actor_rollout_ref.rollout.repetition_penalty": "verl's agent loops sample with a repetition penalty of 1.0",
+    **{
+        f"actor_rollout_ref.rollout.{k}": "verl 0.9 has no reader of it"
+        for k in ("custom", "layer_name_map", "sglang_engine_mode", "server.max_start_wait_time")
+    },
+    "actor_rollout_ref.rollout.standalone_gpu_memory_utilization": "read only by verl's experimental "
+    "fully asynchronous trainer",
 }
+# verl's worker-side copy of the rollout correction settings (PolicyLossConfig.rollout_correction),
+# which only its bypass-mode loss reads (compute_policy_loss_bypass_mode), as refppo's bypass
+# mode reads algorithm.rollout_correction.*
+WORKER_ROLLOUT_CORRECTION = "actor_rollout_ref.actor.policy_loss.rollout_correction."
 # a verl setting that is a dict whose keys a command line gives one by one
 # (+data.apply_chat_template_kwargs.enable_thinking=False): its refppo setting, set whole
 DICTS = {"data.apply_chat_template_kwargs": "data.apply_chat_template_kwargs"}
@@ -325,6 +397,13 @@ ENGINE = (
     "reward_model.rollout.", "trainer.rollout_data_dir", "trainer.validation_data_dir",
     "actor_rollout_ref.rollout.dtype", "reward.reward_model.rollout.", "actor_rollout_ref.model.lora.merge",
     "global_profiler.", "ray_kwargs.", "transfer_queue.",
+    # fields of verl's config dataclasses that its YAML lacks: vLLM's sleep mode and image limit,
+    # TRT-LLM's server, the weight sync's class, the critic's token budget (which the V1 trainer
+    # also trains with), a Muon optimizer's buffer layout
+    "actor_rollout_ref.rollout.enable_sleep_mode", "actor_rollout_ref.rollout.limit_images",
+    "actor_rollout_ref.rollout.server.", "actor_rollout_ref.rollout.checkpoint_manager_class",
+    "critic.ppo_infer_max_token_len_per_gpu",
+    "actor_rollout_ref.actor.optim.use_layer_wise_param_layout", "critic.optim.use_layer_wise_param_layout",
 )  # fmt: skip
 # The rollout's lengths, which verl's engine reads and which default to data's: refppo has one
 # length of each, data's (the same setting when both are given, then they must agree).
@@ -389,6 +468,12 @@ MISSING = {
     "reward.reward_manager.source": ("register", "reward managers from a file"),
     "actor_rollout_ref.actor.router_replay.mode": ("disabled", "replaying MoE routing"),
     "actor_rollout_ref.ref.router_replay.mode": ("disabled", "replaying MoE routing"),
+    # fields of verl's HFModelConfig that its YAML lacks (ADDED): the engine class verl builds (only
+    # a language model trains), loading the tokenizer (verl's V1 trainer needs it), LoRA on
+    # parameters (MoE experts) rather than linear layers
+    "actor_rollout_ref.model.model_type": ("language_model", "verl's other model classes"),
+    **{f"{model}.load_tokenizer": ("true", "a model without its tokenizer") for model in MODELS},
+    "actor_rollout_ref.model.target_parameters": ("null", "LoRA on parameters other than linear layers' weights"),
 }
 
 # Configuration groups from outside verl that its example lines compose, and the one value each
@@ -525,13 +610,62 @@ def _bypass_loss(key: str, text: str, translated: list[str], notes: list[str]) -
     notes.append(f"{key}={text} is refppo's loss in bypass mode (algorithm.rollout_correction.bypass_mode=true)")
 
 
-def _line_check(key: str, full: str, sep: str, text: str) -> Callable[[list[str], list[str]], None] | None:
-    """For a verl setting read against the rest of the line (``critic.enable``, bypass mode's loss
-    by name): its check, to run on the translated line with the notes; None for any other setting."""
+def _bypass_by_name(line: list[str]) -> bool:
+    """Whether the verl command ``line`` chooses bypass mode's loss by name."""
+    for item in line:
+        key, _, text = item.partition("=")
+        if refppo_key(key.strip().lstrip("+")) == "actor.policy_loss" and _plain(text) == "bypass_mode":
+            return True
+    return False
+
+
+def _worker_rollout_correction(key: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
+    """A setting of verl's worker-side copy of the rollout correction settings
+    (``actor.policy_loss.rollout_correction.*``), which only verl's bypass-mode loss reads
+    (``compute_policy_loss_bypass_mode`` in ``verl/trainer/ppo/core_algos.py``). On a ``line`` that
+    chooses that loss by name it is refppo's ``algorithm.rollout_correction.*``, added to
+    ``translated`` unless the line gives that too, when the two must agree (verl's documentation has a
+    bypass line give both); on any other line, and for its ``bypass_mode``, which no worker reads,
+    verl leaves it unread. A note for each goes to ``notes``."""
+    name = full_path(key).removeprefix(WORKER_ROLLOUT_CORRECTION)
+    if name == "bypass_mode" or not _bypass_by_name(line):
+        notes.append(
+            f"{key}={text} is not read: verl's workers read it only in bypass mode's loss, chosen by "
+            "actor.policy_loss.loss_mode=bypass_mode (verl leaves it unread too)"
+        )
+        return
+    target = f"algorithm.rollout_correction.{name}"
+    given = [item.partition("=")[2] for item in translated if item.partition("=")[0].strip() == target]
+    if given and not _same_value(_plain(given[-1]), _plain(text)):
+        raise ValueError(
+            f"{key}={text} and {target}={given[-1]}: verl's bypass loss reads the first, and refppo's one "
+            f"setting is {target}; give the two the same value"
+        )
+    notes.append(f"{key}={text} is refppo's {target}, which its bypass-mode loss reads")
+    if not given:
+        translated.append(f"{target}={text}")
+
+
+def _line_check(
+    key: str, full: str, sep: str, text: str, line: list[str]
+) -> Callable[[list[str], list[str]], None] | None:
+    """For a verl setting read against the rest of the verl command ``line`` (``critic.enable``,
+    bypass mode's loss by name and its settings): its check, to run on the translated line with the
+    notes; None for any other setting."""
     if sep and full == "critic.enable":
         return functools.partial(_critic_enable, text)
     if sep and refppo_key(key) == "actor.policy_loss" and _plain(text) == "bypass_mode":
         return functools.partial(_bypass_loss, key, text)
+    if sep and full.startswith(WORKER_ROLLOUT_CORRECTION):
+        return functools.partial(_worker_rollout_correction, key, text, line)
+    return None
+
+
+def unread_reason(full: str) -> str | None:
+    """Why verl leaves the setting ``full`` unread (:data:`UNREAD_BY_VERL`), or None."""
+    for k, why in UNREAD_BY_VERL.items():
+        if full == k or (k.endswith(".") and full.startswith(k)):
+            return why
     return None
 
 
@@ -611,15 +745,16 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         if off_note is not None:
             notes.append(off_note)
             continue
-        check = _line_check(key, full, sep, text)
+        check = _line_check(key, full, sep, text, overrides)
         if check is not None:
             line_checks.append(check)
             continue
         if sep and full in TRAINERS:
             notes.append(f"{key}={text}: {TRAINERS[full]}")
             continue
-        if sep and full in UNREAD_BY_VERL:
-            notes.append(f"{key}={text} is not read: {UNREAD_BY_VERL[full]} (verl leaves it unread too)")
+        unread = unread_reason(full) if sep else None
+        if unread is not None:
+            notes.append(f"{key}={text} is not read: {unread} (verl leaves it unread too)")
             continue
         if sep and full in ROLLOUT_LENGTHS:
             lengths[ROLLOUT_LENGTHS[full]] = (key, text.strip())
