@@ -182,10 +182,12 @@ def test_verls_documented_bypass_line_names_the_loss_refppo_computes():
 def test_verls_worker_side_rollout_correction_settings_are_read_only_by_bypass_modes_loss():
     """verl 0.9's ``compute_policy_loss_bypass_mode`` (``verl/trainer/ppo/core_algos.py``) reads the
     rollout correction settings from the workers' ``policy_loss.rollout_correction`` (a field of
-    ``PolicyLossConfig`` its YAML lacks, so a line adds it with ``+``), and no other loss reads
-    them. On a line that chooses that loss by name they are refppo's
-    ``algorithm.rollout_correction.*``, which must agree where both are given (verl's documentation
-    has a bypass line give both); on any other line verl leaves them unread, and so does refppo."""
+    ``PolicyLossConfig`` its YAML lacks, so a line adds it with ``+``), with ``.get`` defaults for
+    those not given, and no other loss reads them. On a line that chooses that loss by name they are
+    refppo's ``algorithm.rollout_correction.*``, which must agree where both are given (verl's
+    documentation has a bypass line give both), and a loss setting given under ``algorithm`` alone,
+    which verl's workers would not read, is refused; on any other line verl leaves the workers' copy
+    unread, and so does refppo."""
     from refppo.settings.overrides import command_settings
 
     bypass = ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.n=2"]
@@ -195,17 +197,24 @@ def test_verls_worker_side_rollout_correction_settings_are_read_only_by_bypass_m
         "algorithm.rollout_correction.rollout_rs=token_k1",
         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
     ]
-    expected, _ = command_settings("ppo", [*by_name, *rs])
-    given, notes = command_settings(
-        "ppo", [*by_name, f"{worker}.rollout_rs=token_k1", f"{worker}.rollout_rs_threshold=0.5_2.0"]
-    )
+    workers_rs = [f"{worker}.rollout_rs=token_k1", f"{worker}.rollout_rs_threshold=0.5_2.0"]
+    expected, _ = command_settings("ppo", [*bypass, *rs])
+    given, notes = command_settings("ppo", [*by_name, *workers_rs])
     assert given == expected and given.algorithm.rollout_correction.rollout_rs == "token_k1"
     assert any("is refppo's algorithm.rollout_correction.rollout_rs, which its bypass-mode loss" in n for n in notes)
-    both, _ = command_settings("ppo", [*by_name, *rs, f"{worker}.rollout_rs=token_k1"])
+    both, _ = command_settings("ppo", [*by_name, *rs, *workers_rs])
     assert both == expected, "the same value in both places is one setting"
     with pytest.raises(ValueError, match="verl's bypass loss reads the first, and refppo's one setting is"):
-        command_settings("ppo", [*by_name, *rs, f"{worker}.rollout_rs=seq_max_k2"])
+        command_settings("ppo", [*by_name, *rs, f"{worker}.rollout_rs=seq_max_k2", workers_rs[1]])
+    with pytest.raises(ValueError, match=r"from their own copy of the setting, \S+loss_type \(ppo_clip unless"):
+        command_settings("ppo", [*by_name, "algorithm.rollout_correction.loss_type=reinforce"])
+    with pytest.raises(ValueError, match="would not read this one"):
+        command_settings("ppo", [*by_name, *rs])
+    reinforce, _ = command_settings("ppo", [*bypass, "algorithm.rollout_correction.loss_type=reinforce"])
+    assert reinforce == command_settings("ppo", [*by_name, f"{worker}.loss_type=reinforce"])[0]
     plain, _ = command_settings("ppo", bypass)
+    at_default, _ = command_settings("ppo", [*by_name, "algorithm.rollout_correction.loss_type=ppo_clip"])
+    assert at_default == plain
     unread, notes = command_settings("ppo", [*bypass, f"{worker}.rollout_rs=token_k1", f"{worker}.bypass_mode=true"])
     assert unread == plain
     assert sum("verl's workers read it only in bypass mode's loss" in n for n in notes) == 2

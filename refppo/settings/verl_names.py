@@ -236,6 +236,16 @@ UNREAD_BY_VERL = {
 # which only its bypass-mode loss reads (compute_policy_loss_bypass_mode), as refppo's bypass
 # mode reads algorithm.rollout_correction.*
 WORKER_ROLLOUT_CORRECTION = "actor_rollout_ref.actor.policy_loss.rollout_correction."
+# the settings verl's bypass-mode loss reads from that copy, and the value each takes when a line
+# gives some of them (compute_policy_loss_bypass_mode's .get defaults)
+BYPASS_LOSS_DEFAULTS = {
+    "loss_type": "ppo_clip",
+    "rollout_is": "null",
+    "rollout_is_threshold": "2.0",
+    "rollout_is_batch_normalize": "false",
+    "rollout_rs": "null",
+    "rollout_rs_threshold": "null",
+}
 # a verl setting that is a dict whose keys a command line gives one by one
 # (+data.apply_chat_template_kwargs.enable_thinking=False): its refppo setting, set whole
 DICTS = {"data.apply_chat_template_kwargs": "data.apply_chat_template_kwargs"}
@@ -593,21 +603,44 @@ def _critic_enable(text: str, translated: list[str], notes: list[str]) -> None:
     notes.append(f"critic.enable={text} is refppo's behaviour already with algorithm.adv_estimator={estimator}")
 
 
-def _bypass_loss(key: str, text: str, translated: list[str], notes: list[str]) -> None:
+def _bypass_loss(key: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
     """verl's bypass-mode loss chosen by name (``policy_loss.loss_mode=bypass_mode``), as verl's
     documentation has a bypass-mode line do: its workers take the loss from their own settings, and
     ``apply_bypass_mode`` (``verl/trainer/ppo/rollout_corr_helper.py``) changes only the trainer's
     copy. refppo's bypass mode computes that loss, so the name is its behaviour beside
-    ``algorithm.rollout_correction.bypass_mode=true`` and refused without it."""
+    ``algorithm.rollout_correction.bypass_mode=true`` and refused without it. The loss reads its
+    settings from the workers' copy only (:func:`_worker_rollout_correction`), so a loss setting the
+    verl command ``line`` gives under ``algorithm.rollout_correction`` alone is refused."""
     modes = [
         item.partition("=")[2] for item in translated if item.startswith("algorithm.rollout_correction.bypass_mode=")
     ]
     if not modes or _plain(modes[-1]) != "true":
         raise ValueError(
             f"{key}={text}: refppo computes bypass mode's loss in bypass mode: give it with "
-            "algorithm.rollout_correction.bypass_mode=true (and its loss_type, ppo_clip or reinforce)"
+            "algorithm.rollout_correction.bypass_mode=true (and the loss's settings under "
+            f"{WORKER_ROLLOUT_CORRECTION}*)"
         )
+    _bypass_settings_in_the_workers_copy(key, text, line)
     notes.append(f"{key}={text} is refppo's loss in bypass mode (algorithm.rollout_correction.bypass_mode=true)")
+
+
+def _bypass_settings_in_the_workers_copy(key: str, text: str, line: list[str]) -> None:
+    """Refuse a setting of bypass mode's loss that the verl command ``line`` (which names that loss,
+    ``key=text``) gives under ``algorithm.rollout_correction`` at other than
+    :data:`BYPASS_LOSS_DEFAULTS` and not in the workers' copy, which alone verl's loss reads."""
+    given = {}
+    for item in line:
+        name, _, value = item.partition("=")
+        given[full_path(name.strip().lstrip("+"))] = value
+    for field, default in BYPASS_LOSS_DEFAULTS.items():
+        trainers = f"algorithm.rollout_correction.{field}"
+        workers = WORKER_ROLLOUT_CORRECTION + field
+        if trainers in given and workers not in given and not _same_value(_plain(given[trainers]), default):
+            raise ValueError(
+                f"{trainers}={given[trainers]} with {key}={text}: verl's workers compute bypass mode's loss from "
+                f"their own copy of the setting, {workers} ({default} unless given), and would not read this one; "
+                "give it there too, as verl's documentation does"
+            )
 
 
 def _bypass_by_name(line: list[str]) -> bool:
@@ -655,7 +688,7 @@ def _line_check(
     if sep and full == "critic.enable":
         return functools.partial(_critic_enable, text)
     if sep and refppo_key(key) == "actor.policy_loss" and _plain(text) == "bypass_mode":
-        return functools.partial(_bypass_loss, key, text)
+        return functools.partial(_bypass_loss, key, text, line)
     if sep and full.startswith(WORKER_ROLLOUT_CORRECTION):
         return functools.partial(_worker_rollout_correction, key, text, line)
     return None
