@@ -15,20 +15,9 @@ from refppo.runs.cli import main
 from refppo.settings.config import Config, apply_overrides, declarations, get_value
 from refppo.settings.overrides import command_settings
 from refppo.settings.validate import format_value, validate
+from refppo.settings.verl_keys import ADDED, ENGINE, MISSING, MISSING_CHOICES, NAMES, RENAMED, UNREAD_BY_VERL
 from refppo.settings.verl_map import OTHER_DEFAULTS, REFPPO_ONLY, key_map, verl_command
-from refppo.settings.verl_names import (
-    ADDED,
-    ENGINE,
-    MISSING,
-    MISSING_CHOICES,
-    NAMES,
-    RENAMED,
-    UNREAD_BY_VERL,
-    full_path,
-    refppo_key,
-    translate,
-    verl_key,
-)
+from refppo.settings.verl_names import full_path, refppo_key, translate, verl_key
 
 # verl 0.9's config keys and defaults, and those its DAPO command lines add
 VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys.json").read_text())["defaults"] | ADDED

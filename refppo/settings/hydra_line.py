@@ -24,8 +24,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from refppo.settings.config import Config, declarations
+from refppo.settings.verl_keys import ADDED, MISSING
 from refppo.settings.verl_map import REFPPO_ONLY, VERL_CONFIG_PACKAGE
-from refppo.settings.verl_names import ADDED, MISSING, full_path, refppo_key, unread_reason
+from refppo.settings.verl_names import full_path, refppo_key, unread_reason
 
 VERL_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")  # verl's own, in verl/trainer/config
 VERL_CONFIG_PATHS = ("config", "./config")  # main_ppo's own folder: Hydra reads it beside main_ppo.py

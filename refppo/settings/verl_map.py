@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from refppo.settings.conditions import CRITIC_FROM_ACTOR, critic_setting, critic_warmup
 from refppo.settings.config import Config, declarations, get_value
 from refppo.settings.validate import format_value, ignored_settings, read_settings
-from refppo.settings.verl_names import ADDED, VALUES, verl_key
+from refppo.settings.verl_keys import ADDED, VALUES
+from refppo.settings.verl_names import verl_key
 
 VERL_CONFIG_PACKAGE = "pkg://verl.trainer.config"  # where Hydra finds verl's own ppo_trainer
 TINY = "the shape of a fresh tiny model (model.path=null); verl always loads a checkpoint"
