@@ -31,12 +31,26 @@ def test_tilde_is_refused_by_name():
 
 
 @pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer.yaml"])
-def test_verls_own_configuration_adds_nothing(name):
+def test_verls_own_configuration_adds_nothing_but_its_engine(name):
     """``--config-path=config`` is main_ppo's own folder; its two trainer configurations have the
-    same algorithm defaults (their generated YAMLs differ only in engine settings and in the
-    Megatron spelling of the schedule and clip: optim.lr_decay_style, optim.clip_grad)."""
-    config, notes = command_settings("ppo", ["--config-path=config", f"--config-name={name}", "trainer.seed=3"])
+    same algorithm defaults (their generated YAMLs differ in engine settings, in the Megatron
+    spelling of the schedule and clip: optim.lr_decay_style, optim.clip_grad, and in the critic's
+    seed). ``ppo_megatron_trainer.yaml`` is ``ppo_trainer`` with ``override model_engine: megatron``,
+    whose critic takes the actor's ``data_loader_seed`` unless given (``critic/megatron_critic.yaml``),
+    in a file's ``defaults`` list too."""
+    seed = ["actor_rollout_ref.actor.data_loader_seed=7", "actor_rollout_ref.actor.shuffle=true"]
+    config, notes = command_settings("ppo", ["--config-path=config", f"--config-name={name}", "trainer.seed=3", *seed])
     assert config.trainer.seed == 3 and any("verl's own configuration" in n for n in notes)
+    assert config.critic.data_loader_seed == (7 if name.startswith("ppo_megatron") else 42)
+
+
+def test_a_file_on_verls_megatron_configuration_takes_its_engine(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - ppo_megatron_trainer\n  - _self_\nactor_rollout_ref:\n  actor:\n"
+        "    data_loader_seed: 7\n    shuffle: true\n"
+    )
+    config, notes = command_settings("ppo", [f"--config-path={tmp_path}", "--config-name=mine"])
+    assert config.critic.data_loader_seed == 7 and any(n.startswith("model_engine=megatron picks") for n in notes)
 
 
 YAML = """

@@ -71,7 +71,9 @@ def test_the_recorded_lines_are_verls_examples():
     assert len(EXAMPLES) == 90
     assert all(line["script"].startswith("examples/") and line["settings"] for line in EXAMPLES)
     accepted = Counter(outcome == "accepted" for outcome in OUTCOMES.values())
-    assert accepted[True] >= 63, accepted  # the count when this test was last changed: it may only grow
+    # the count when this test was last changed: it may only grow, unless a line was wrongly accepted
+    # (VeOmni's router replay, refused since its engine's own router_replay.mode is read)
+    assert accepted[True] >= 62, accepted
 
 
 # Sizes a CPU runs in seconds; every other setting as the script passes it.

@@ -3,6 +3,7 @@ checked against verl 0.9.0's own generated trainer config (tests/data), and verl
 command lines run as they are on a tiny model."""
 
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -25,11 +26,21 @@ VERL = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_trainer_keys
 MEGATRON = json.loads((Path(__file__).parent / "data" / "verl_0_9_0_ppo_megatron_trainer_keys.json").read_text())[
     "defaults"
 ]
+# verl 0.9's VeOmni and TorchTitan configurations (model_engine=veomni / torchtitan), both together
+OTHER_ENGINES = {
+    key: value
+    for engine in ("veomni", "torchtitan")
+    for key, value in json.loads(
+        (Path(__file__).parent / "data" / f"verl_0_9_0_ppo_{engine}_trainer_keys.json").read_text()
+    )["defaults"].items()
+}
 # the fields of verl 0.9's config dataclasses that its generated YAMLs lack (a line adds them with "+")
 DATACLASS_KEYS = {
     key: record["default"]
-    for name in ("verl_0_9_0_ppo_trainer_keys.json", "verl_0_9_0_ppo_megatron_trainer_keys.json")
-    for key, record in json.loads((Path(__file__).parent / "data" / name).read_text())["dataclass_keys"].items()
+    for engine in ("", "megatron_", "veomni_", "torchtitan_")
+    for key, record in json.loads(
+        (Path(__file__).parent / "data" / f"verl_0_9_0_ppo_{engine}trainer_keys.json").read_text()
+    )["dataclass_keys"].items()
 }
 # keys of verl's other configurations (VeOmni, MindSpeed, ...) that its own example scripts set
 EXAMPLE_KEYS = {
@@ -83,7 +94,7 @@ def test_defaults_equal_verls_or_the_key_map_says_why():
 
 
 def test_engine_and_missing_settings_are_verl_keys_refppo_does_not_have():
-    verl_keys = {**VERL, **MEGATRON, **DATACLASS_KEYS, **dict.fromkeys(EXAMPLE_KEYS)}
+    verl_keys = {**VERL, **MEGATRON, **OTHER_ENGINES, **DATACLASS_KEYS, **dict.fromkeys(EXAMPLE_KEYS)}
     for key in [*ENGINE, *MISSING, *UNREAD_BY_VERL]:
         if key.endswith("."):
             assert any(k.startswith(key) for k in verl_keys), key
@@ -91,9 +102,9 @@ def test_engine_and_missing_settings_are_verl_keys_refppo_does_not_have():
             assert key in verl_keys, key
         assert refppo_key(key) not in KEYS, key
     for key, (off, _) in MISSING.items():  # the value that turns it off is verl's default
-        if key not in {**VERL, **MEGATRON, **DATACLASS_KEYS}:  # a key of another configuration (VeOmni's, ...)
+        if key not in {**VERL, **MEGATRON, **OTHER_ENGINES, **DATACLASS_KEYS}:  # a key of another configuration
             continue
-        theirs = {**DATACLASS_KEYS, **MEGATRON, **VERL}[key]
+        theirs = {**DATACLASS_KEYS, **OTHER_ENGINES, **MEGATRON, **VERL}[key]
         if isinstance(theirs, str) and theirs.startswith("${"):  # an interpolation: its fallback
             theirs = theirs.rsplit(",", 1)[1].rstrip("}")
         assert format_value(theirs).lower() == off, key
@@ -721,12 +732,13 @@ def test_verls_v1_trainer_settings_are_classed_by_what_they_change():
 
 
 def test_every_key_of_verls_configuration_has_a_class():
-    """Each of verl 0.9's ppo_trainer and ppo_megatron_trainer keys (its generated YAMLs, tests/data),
-    and each field of the config dataclasses they build that they lack (given with "+"), at its
-    default, is taken, noted as an engine setting, dropped as unread, accepted at its off value, or
-    refused naming what refppo lacks: never "unknown config key", which is for keys verl lacks too."""
+    """Each key of verl 0.9's configurations for its four engines (FSDP's, Megatron's, VeOmni's and
+    TorchTitan's generated YAMLs, tests/data), and each field of the config dataclasses they build
+    that they lack (given with "+"), at its default, is taken, noted as an engine setting, dropped as
+    unread, accepted at its off value, or refused naming what refppo lacks: never "unknown config
+    key", which is for keys verl lacks too."""
     unknown = []
-    for key, value in (MEGATRON | VERL).items():
+    for key, value in (OTHER_ENGINES | MEGATRON | VERL).items():
         literal = not isinstance(value, (list, dict)) and not (isinstance(value, str) and value.startswith("${"))
         text = format_value(value) if literal else "null"
         try:
@@ -870,3 +882,66 @@ def test_the_fields_verls_yaml_lacks_are_classed_by_what_verl_does_with_them():
         command_settings("ppo", ["+actor_rollout_ref.model.model_type=value_model"])
     with pytest.raises(ValueError, match="unknown config key 'ref.clip_ratioo'"):
         command_settings("ppo", ["+actor_rollout_ref.ref.clip_ratioo=0.3"])  # a typo under ref. is still one
+
+
+def _veomni_cosine(step: int, warmup: int, total: int, lr_decay_ratio: float = 1.0, min_ratio: float = 0.0) -> float:
+    """VeOmni's ``get_cosine_schedule_with_warmup`` factor (``veomni/optim/lr_scheduler.py``), with
+    ``lr_start`` 0, transcribed: verl's VeOmni engine builds it with ``train_steps`` the run's steps and
+    ``lr_warmup_ratio`` its ``optim.lr_warmup_steps_ratio``."""
+    decay_steps = int(total * lr_decay_ratio)
+    if step < warmup:
+        return step / max(1, warmup)
+    if step > decay_steps:
+        return min_ratio
+    progress = (step - warmup) / max(1, decay_steps - warmup)
+    factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+    return max(0.0, factor * (1 - min_ratio) + min_ratio)
+
+
+def test_model_engine_takes_its_configurations_defaults():
+    """verl 0.9's ``model_engine`` picks the actor's, reference's and critic's configuration groups
+    (``defaults`` in ``verl/trainer/config/ppo_trainer.yaml``; ``ppo_megatron_trainer.yaml`` is it with
+    ``override model_engine: megatron``). Where an engine's generated configuration (tests/data) gives
+    a setting refppo takes another default than FSDP's, :data:`MODEL_ENGINES` has it: VeOmni's
+    learning rates decay on a cosine (``optim/veomni.yaml``), which at VeOmni's other defaults is
+    refppo's cosine step for step; and every engine but FSDP's seeds the critic's mini-batches with
+    the actor's seed unless given (``critic/<engine>_critic.yaml``). VeOmni's scheduler warms up for
+    ``lr_warmup_steps_ratio`` only (``VeOmniEngine._build_lr_scheduler``); TorchTitan's engine, whose
+    schedule decays linearly, is refused."""
+    from refppo.settings.verl_keys import CRITIC_SEED_FROM_ACTOR, MODEL_ENGINES
+    from refppo.training.optim import make_optimizer
+
+    data = Path(__file__).parent / "data"
+    for engine in ("megatron", "veomni", "torchtitan"):
+        theirs = json.loads((data / f"verl_0_9_0_ppo_{engine}_trainer_keys.json").read_text())["defaults"]
+        differ = {
+            verl_key(key): theirs[verl_key(key)]
+            for key in KEYS
+            if key not in REFPPO_ONLY and verl_key(key) in theirs and theirs[verl_key(key)] != VERL[verl_key(key)]
+        }
+        seed = differ.pop("critic.data_loader_seed")
+        assert seed == "${oc.select:actor_rollout_ref.actor.data_loader_seed,null}" and engine in CRITIC_SEED_FROM_ACTOR
+        assert differ == MODEL_ENGINES.get(engine, differ), engine
+    line = ["model_engine=veomni", "actor_rollout_ref.actor.data_loader_seed=7", "actor_rollout_ref.actor.shuffle=true"]
+    config, notes = command_settings("ppo", [*line, "actor_rollout_ref.actor.optim.lr_warmup_steps=3"])
+    assert (config.actor.optim.lr_scheduler_type, config.critic.optim.lr_scheduler_type) == ("cosine", "cosine")
+    assert config.actor.optim.lr_warmup_steps == -1 and config.critic.data_loader_seed == 7
+    assert any("lr_warmup_steps=3 is not read: verl's VeOmni engine warms up for" in n for n in notes)
+    grpo, _ = command_settings("ppo", [*line, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"])
+    assert grpo.actor.optim.lr_scheduler_type == "cosine", "the critic's default is left where there is no critic"
+    megatron, _ = command_settings("ppo", ["model_engine=megatron", *line[1:]])
+    assert megatron.actor.optim.lr_scheduler_type == "constant" and megatron.critic.data_loader_seed == 7
+    fsdp, _ = command_settings("ppo", line[1:])
+    assert fsdp.critic.data_loader_seed == 42
+    for total, ratio in ((10, 0.0), (10, 0.3), (7, 0.5)):
+        optim = apply_overrides(config, [f"actor.optim.lr_warmup_steps_ratio={ratio}"]).actor.optim
+        _, scheduler = make_optimizer([torch.nn.Parameter(torch.zeros(1))], optim, total)
+        factor = scheduler.lr_lambdas[0]
+        for step in range(total + 1):
+            assert factor(step) == pytest.approx(_veomni_cosine(step, int(total * ratio), total), abs=1e-15), step
+    with pytest.raises(ValueError, match="does not implement TorchTitan's learning-rate schedule"):
+        command_settings("ppo", ["model_engine=torchtitan"])
+    with pytest.raises(ValueError, match="does not implement VeOmni's decay over a part of the run"):
+        command_settings("ppo", [*line, "actor_rollout_ref.actor.optim.lr_decay_ratio=0.5"])
+    with pytest.raises(ValueError, match="does not implement replaying MoE routing"):
+        command_settings("ppo", [*line, "actor_rollout_ref.actor.veomni.router_replay.mode=R2"])

@@ -4,10 +4,10 @@ user's YAML and launch line run here with the same meaning.
 - ``--config-path=DIR --config-name=NAME`` (or ``-cp`` / ``-cn``, or the value as the next
   argument) reads ``DIR/NAME.yaml``; its settings come first and the command line's after them,
   as Hydra composes. Its ``defaults`` list may name verl's own ``ppo_trainer`` (or
-  ``ppo_megatron_trainer``, whose algorithm defaults are the same) and ``_self_``, and its
+  ``ppo_megatron_trainer``, which is ``ppo_trainer`` with ``model_engine=megatron``) and ``_self_``, and its
   ``hydra`` section may put verl's configurations on the search path (as ``refppo ppo
   --print-verl-yaml`` writes it). verl's own configuration, ``--config-path=config`` with one of
-  those names, adds nothing.
+  those names, adds nothing but that engine.
 - ``key=value`` sets a key; ``++key=value`` sets or adds it; ``+key=value`` adds a key verl's
   configuration lacks, and a key it has is refused, as Hydra refuses it; ``~key`` would remove one
   of verl's keys, which refppo does not implement.
@@ -78,7 +78,9 @@ def config_file_settings(path: str, name: str) -> tuple[list[str], list[str]]:
     """
     stem = name.removesuffix(".yaml")
     if path in VERL_CONFIG_PATHS and stem in VERL_CONFIGS:
-        return [], [
+        # verl's ppo_megatron_trainer.yaml is its ppo_trainer.yaml with "override model_engine: megatron"
+        engine = ["model_engine=megatron"] if stem == "ppo_megatron_trainer" else []
+        return engine, [
             f"--config-name={name} is verl's own configuration: its algorithm defaults are refppo's on a verl line"
         ]
     file = Path(path) / f"{stem}.yaml"
@@ -106,7 +108,9 @@ def config_file_settings(path: str, name: str) -> tuple[list[str], list[str]]:
         values = OmegaConf.to_container(config, resolve=True)
     except OmegaConfBaseException as error:
         raise ValueError(f"{file}: {error}".splitlines()[0]) from None
-    return _flat(values), [f"the settings of {file}, then the command line's"]
+    # a model_engine the file sets comes after its defaults' own, as Hydra composes _self_ last
+    engine = ["model_engine=megatron"] if "ppo_megatron_trainer" in defaults else []
+    return [*engine, *_flat(values)], [f"the settings of {file}, then the command line's"]
 
 
 def _verl_has(key: str) -> bool:

@@ -223,6 +223,12 @@ UNREAD_BY_VERL = {
     },
     "actor_rollout_ref.rollout.standalone_gpu_memory_utilization": "read only by verl's experimental "
     "fully asynchronous trainer",
+    # TorchTitan's optimizer group (optim/torchtitan.yaml), read by its engine only
+    **{
+        f"{opt}.{k}": "read only by verl's TorchTitan engine (model_engine=torchtitan)"
+        for opt in ("actor_rollout_ref.actor.optim", "critic.optim")
+        for k in ("name", "eps", "decay_type", "min_lr_factor")
+    },
 }
 # verl's worker-side copy of the rollout correction settings (PolicyLossConfig.rollout_correction),
 # which only its bypass-mode loss reads (compute_policy_loss_bypass_mode), as refppo's bypass
@@ -370,12 +376,17 @@ ENGINE = (
     # refppo's log-prob passes take the actor's token budget (actor.use_dynamic_bsz)
     *(f"actor_rollout_ref.{r}.log_prob_{k}" for r in ("rollout", "ref") for k in ("use_dynamic_bsz", "max_token_len_per_gpu")),  # noqa: E501
     "reward.num_workers", "algorithm.filter_groups.max_inflight_gen_batches",  # generation batches in flight
-    # the other engines verl trains with (Megatron, VeOmni) and their settings, the rollout
-    # engine's precision, a reward model's server, merging LoRA into the rollout's weights
-    "model_engine", "actor_rollout_ref.actor.model_engine", "trainer.use_legacy_worker_impl",
+    # the other engines verl trains with (Megatron, VeOmni, TorchTitan; model_engine itself is read
+    # against the line, MODEL_ENGINES) and their settings, the rollout engine's precision, a reward
+    # model's server, merging LoRA into the rollout's weights
+    "actor_rollout_ref.actor.model_engine", "trainer.use_legacy_worker_impl",
     "actor_rollout_ref.rollout.moe_tensor_parallel_size",
-    *(f"actor_rollout_ref.{r}.{engine}." for r in ("actor", "ref") for engine in ("megatron", "veomni", "mindspeed")),
-    "actor_rollout_ref.actor.engine.", "critic.megatron.",
+    *(
+        f"actor_rollout_ref.{r}.{engine}."
+        for r in ("actor", "ref")
+        for engine in ("megatron", "veomni", "mindspeed", "torchtitan")
+    ),
+    "actor_rollout_ref.actor.engine.", "critic.megatron.", "critic.veomni.", "critic.torchtitan.",
     # Megatron's optimizer-offload options, given through override_optimizer_config (memory only);
     # its other keys go to the optimizer itself (build_optimizer: AdamW's eps, ...): NOT_IMPLEMENTED
     *(
@@ -470,6 +481,29 @@ MISSING = {
     "reward.reward_manager.source": ("register", "reward managers from a file"),
     "actor_rollout_ref.actor.router_replay.mode": ("disabled", "replaying MoE routing"),
     "actor_rollout_ref.ref.router_replay.mode": ("disabled", "replaying MoE routing"),
+    # each engine's own copy, which its engine reads (an exact key here wins over ENGINE's prefixes)
+    **{
+        f"{section}.router_replay.mode": ("disabled", "replaying MoE routing")
+        for section in (
+            *(
+                f"actor_rollout_ref.{role}.{engine}"
+                for role in ("actor", "ref")
+                for engine in ("fsdp_config", "megatron", "veomni", "torchtitan")
+            ),
+            *(f"critic.{engine}" for engine in ("fsdp", "megatron", "veomni", "torchtitan")),
+        )
+    },
+    # VeOmni's scheduler (veomni.optim.build_lr_scheduler, as verl's VeOmni engine builds it): a
+    # warm-up from lr_start, a decay over lr_decay_ratio of the run, down to lr_min
+    **{
+        f"{opt}.{k}": (off, what)
+        for opt in ("actor_rollout_ref.actor.optim", "critic.optim")
+        for k, off, what in (
+            ("lr_start", "0.0", "a warm-up from a learning rate other than 0"),
+            ("lr_decay_ratio", "1.0", "VeOmni's decay over a part of the run"),
+            ("lr_min", "0.0", "VeOmni's learning-rate floor"),
+        )
+    },
     # fields of verl's HFModelConfig that its YAML lacks (ADDED): the engine class verl builds (only
     # a language model trains), loading the tokenizer (verl's V1 trainer needs it), LoRA on
     # parameters (MoE experts) rather than linear layers
@@ -501,6 +535,27 @@ TRAINERS = {
 # refppo's auto is that choice (CUDA when there is one, else the CPU).
 DETECTED_DEVICES = ("npu",)
 
+# verl's model_engine picks the actor's, reference's and critic's configuration groups
+# (actor/<engine>_actor.yaml, ...; ppo_megatron_trainer is ppo_trainer with megatron), and with
+# them defaults of settings refppo takes where they differ from FSDP's (dp): engine -> {key: default}.
+# VeOmni's optimizer group (optim/veomni.yaml) decays the learning rate on a cosine with VeOmni's
+# scheduler, which at its other defaults (no warm-up, lr_min 0, lr_decay_ratio 1) is verl's FSDP cosine.
+MODEL_ENGINES = {
+    "dp": {},
+    "megatron": {},
+    "mindspeed": {},
+    "veomni": {
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine",
+        "critic.optim.lr_scheduler_type": "cosine",
+    },
+}
+# TorchTitan's engine: what refppo lacks (its schedule has no constant style, optim/torchtitan.yaml)
+TORCHTITAN = "TorchTitan's learning-rate schedule (a linear decay over the run by default, optim.decay_type)"
+# VeOmni's scheduler warms up for lr_warmup_steps_ratio of the run (verl's VeOmni engine passes only that)
+VEOMNI_UNREAD = ("actor_rollout_ref.actor.optim.lr_warmup_steps", "critic.optim.lr_warmup_steps")
+# Every engine but FSDP's takes the critic's data_loader_seed from the actor's unless given
+# (critic/<engine>_critic.yaml: ${oc.select:actor_rollout_ref.actor.data_loader_seed,null}).
+CRITIC_SEED_FROM_ACTOR = ("megatron", "mindspeed", "veomni", "torchtitan")
 # values of verl 0.9's registries that refppo does not implement: what each is missing
 MISSING_CHOICES = {
     ("algorithm.adv_estimator", "rloo_vectorized"): "verl's vectorised RLOO, which gives a group of one 0 "

@@ -28,6 +28,7 @@ from refppo.advantages import needs_critic
 from refppo.settings.verl_keys import (
     APPLY_CHAT_TEMPLATE_OWN,
     BYPASS_LOSS_DEFAULTS,
+    CRITIC_SEED_FROM_ACTOR,
     DETECTED_DEVICES,
     DICTS,
     ENGINE,
@@ -36,6 +37,7 @@ from refppo.settings.verl_keys import (
     KEY_VALUES,
     MISSING,
     MISSING_CHOICES,
+    MODEL_ENGINES,
     NAMES,
     NOT_IMPLEMENTED,
     OFF,
@@ -43,9 +45,11 @@ from refppo.settings.verl_keys import (
     ROLLOUT_LENGTHS,
     SECTIONS,
     SEQUENCE_PARALLEL,
+    TORCHTITAN,
     TRAINERS,
     UNREAD_BY_VERL,
     VALUES,
+    VEOMNI_UNREAD,
     WORKER_ROLLOUT_CORRECTION,
 )
 
@@ -106,14 +110,19 @@ def _sequence_parallel_budgets(translated: list[str], line: list[str], notes: li
     return out
 
 
+def _estimator(translated: list[str]) -> str:
+    """The advantage estimator a translated line gives (verl's default, gae, when it gives none)."""
+    estimators = [item.partition("=")[2].strip() for item in translated if item.startswith("algorithm.adv_estimator=")]
+    return _plain(estimators[-1]) if estimators else "gae"
+
+
 def _critic_enable(text: str, translated: list[str], notes: list[str]) -> None:
     """verl 0.9's ``critic.enable`` (``need_critic`` in ``verl/trainer/ppo/utils.py``): null leaves
     the choice to the estimator, as refppo always does; true or false must agree with it."""
     value = _plain(text)
     if value == "null":
         return
-    estimators = [item.partition("=")[2].strip() for item in translated if item.startswith("algorithm.adv_estimator=")]
-    estimator = _plain(estimators[-1]) if estimators else "gae"
+    estimator = _estimator(translated)
     if (value == "true") != needs_critic(estimator):
         raise ValueError(
             f"critic.enable={text} with algorithm.adv_estimator={estimator}: refppo trains a critic exactly when "
@@ -210,7 +219,49 @@ def _line_check(
         return functools.partial(_bypass_loss, key, text, line)
     if sep and full.startswith(WORKER_ROLLOUT_CORRECTION):
         return functools.partial(_worker_rollout_correction, key, text, line)
+    if sep and full == "model_engine":
+        return functools.partial(_model_engine, key, text, line)
     return None
+
+
+def _model_engine(key: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
+    """verl's ``model_engine``, which picks the actor's, reference's and critic's configuration groups
+    (``defaults`` in ``verl/trainer/config/ppo_trainer.yaml``): the engine's defaults where they
+    differ from FSDP's (:data:`MODEL_ENGINES`) are added to ``translated`` where the verl command
+    ``line`` leaves them, its critic takes the actor's ``data_loader_seed`` unless given
+    (:data:`CRITIC_SEED_FROM_ACTOR`), and VeOmni's unread warm-up length is dropped; a note for each
+    goes to ``notes``.
+
+    Raises:
+        ValueError: TorchTitan's engine (:data:`TORCHTITAN`), or an engine verl 0.9 lacks.
+    """
+    engine = _plain(text)
+    if engine == "torchtitan":
+        raise ValueError(f"{key}={text}: refppo does not implement {TORCHTITAN}")
+    if engine not in MODEL_ENGINES:
+        raise ValueError(f"{key}={text}: verl 0.9's engines are {', '.join(MODEL_ENGINES)} and torchtitan")
+    notes.append(f"{key}={text} picks verl's {engine} engine, whose settings have no effect in refppo")
+    given = {}
+    for item in line:
+        name, _, value = item.partition("=")
+        given[refppo_key(name.strip().lstrip("+"))] = value.strip()
+    has_critic = needs_critic(_estimator(translated))
+    for verl, default in MODEL_ENGINES[engine].items():
+        name = refppo_key(verl)
+        if name not in given and (has_critic or not name.startswith("critic.")):
+            translated.append(f"{name}={default}")
+            notes.append(f"{key}={text}: {name}={default}, the default of verl's {engine} configuration")
+    seed = given.get("actor.data_loader_seed")
+    if engine in CRITIC_SEED_FROM_ACTOR and seed is not None and "critic.data_loader_seed" not in given:
+        translated.append(f"critic.data_loader_seed={seed}")
+        notes.append(f"{key}={text}: critic.data_loader_seed={seed}, the actor's, as verl's {engine} critic takes it")
+    if engine == "veomni":
+        for item in [item for item in translated if full_path(item.partition("=")[0].strip()) in VEOMNI_UNREAD]:
+            translated.remove(item)
+            notes.append(
+                f"{item} is not read: verl's VeOmni engine warms up for optim.lr_warmup_steps_ratio of the run "
+                "(verl leaves it unread too)"
+            )
 
 
 def unread_reason(full: str) -> str | None:
@@ -311,14 +362,14 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         if sep and full in ROLLOUT_LENGTHS:
             lengths[ROLLOUT_LENGTHS[full]] = (key, text.strip())
             continue
-        if sep and _is_engine(full):
-            notes.append(_engine_note(key, text))
-            continue
-        if sep and full in MISSING:
+        if sep and full in MISSING:  # before the engine's prefixes, which may hold one
             off, what = MISSING[full]
             if not _same_value(_plain(text), off):
                 raise ValueError(f"{key}={text}: refppo does not implement {what} (only {key}={off})")
             notes.append(f"{key}={text} is refppo's behaviour already (it does not implement {what})")
+            continue
+        if sep and _is_engine(full):
+            notes.append(_engine_note(key, text))
             continue
         if sep and full in KEY_VALUES:
             choices = KEY_VALUES[full]
@@ -418,7 +469,7 @@ def is_verl_line(overrides: list[str]) -> bool:
     ``actor_rollout_ref.actor.optim.lr``, ``trainer.default_local_dir``, a setting of verl's engine
     or one refppo lacks): a verl command line."""
     keys = [item.partition("=")[0].strip().lstrip("+") for item in overrides]
-    verl_only = {*NAMES, *KEY_VALUES, *MISSING, *TRAINERS}
+    verl_only = {*NAMES, *KEY_VALUES, *MISSING, *TRAINERS, "model_engine"}
     return any(key.startswith(FULL) or key in verl_only or _is_engine(full_path(key)) for key in keys)
 
 

@@ -1,7 +1,8 @@
 """Record every leaf key of verl's generated trainer configurations, with its default.
 
 verl ships its composed Hydra configurations as ``verl/trainer/config/_generated_ppo_trainer.yaml``
-(the FSDP engine) and ``_generated_ppo_megatron_trainer.yaml`` (Megatron). This flattens each to
+(the FSDP engine), ``_generated_ppo_megatron_trainer.yaml`` (Megatron), ``_veomni_`` and
+``_torchtitan_`` (``model_engine=veomni`` / ``torchtitan``). This flattens each to
 ``{dotted key: default}``: a leaf is a value that is not a mapping, or an empty mapping; the
 ``_target_`` keys (which dataclass Hydra builds) are left out.
 
@@ -11,13 +12,12 @@ YAML lacks: a verl command line gives them with ``+key=value``. They are recorde
 source with ``ast`` (verl is not imported). A field whose type is another config dataclass is
 followed to its leaves; inherited fields count.
 
-The result, ``verl_0_9_0_ppo_trainer_keys.json`` (FSDP) or
-``verl_0_9_0_ppo_megatron_trainer_keys.json``, is what ``tests/test_verl_names.py`` checks refppo
-knows.
+The result, ``verl_0_9_0_ppo_<engine>_trainer_keys.json`` (``verl_0_9_0_ppo_trainer_keys.json`` for
+FSDP), is what ``tests/test_verl_names.py`` checks refppo knows.
 
 Usage (from the project root, with a verl checkout, e.g. the snapshot ``fetch`` brings)::
 
-    python tests/data/record_verl_config_keys.py /path/to/verl.git v0.9.0 megatron
+    python tests/data/record_verl_config_keys.py /path/to/verl.git v0.9.0 megatron  # or fsdp, veomni, torchtitan
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import yaml
 FILES = {
     "fsdp": ("_generated_ppo_trainer.yaml", "verl_0_9_0_ppo_trainer_keys.json"),
     "megatron": ("_generated_ppo_megatron_trainer.yaml", "verl_0_9_0_ppo_megatron_trainer_keys.json"),
+    "veomni": ("_generated_ppo_veomni_trainer.yaml", "verl_0_9_0_ppo_veomni_trainer_keys.json"),
+    "torchtitan": ("_generated_ppo_torchtitan_trainer.yaml", "verl_0_9_0_ppo_torchtitan_trainer_keys.json"),
 }
 # where verl 0.9 defines the config dataclasses its YAML names in _target_
 CLASS_FILES = (
