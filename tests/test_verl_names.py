@@ -4,6 +4,7 @@ command lines run as they are on a tiny model."""
 
 import json
 import math
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -945,3 +946,34 @@ def test_model_engine_takes_its_configurations_defaults():
         command_settings("ppo", [*line, "actor_rollout_ref.actor.optim.lr_decay_ratio=0.5"])
     with pytest.raises(ValueError, match="does not implement replaying MoE routing"):
         command_settings("ppo", [*line, "actor_rollout_ref.actor.veomni.router_replay.mode=R2"])
+
+
+def test_engine_keys_that_change_what_verl_computes_are_refused():
+    """Keys under verl's engine sections that change what its engines compute, from a read of verl
+    0.9's code: the engines' quantisation-aware training (``qat.enable``: the FSDP and Megatron
+    engines fake-quantise the linear layers, ``verl/workers/engine/fsdp/transformer_impl.py``),
+    vLLM's fully deterministic sampling (``full_determinism``: one seed for every request), an agent
+    loop other than the single turn's (``rollout.agent.default_agent_loop``), and, beside a rollout
+    correction, ``rollout.calculate_log_probs=false``, without which verl's trainer skips the
+    correction (``RayPPOTrainer.fit`` runs ``compute_rollout_correction_and_add_to_batch`` only with
+    ``rollout_log_probs`` in the batch). Each is accepted at the value that turns it off."""
+    for key, on, off in (
+        ("actor_rollout_ref.actor.fsdp_config.qat.enable", "true", "false"),
+        ("critic.megatron.qat.enable", "true", "false"),
+        ("actor_rollout_ref.rollout.full_determinism", "true", "false"),
+        ("actor_rollout_ref.rollout.agent.default_agent_loop", "tool_agent", "single_turn_agent"),
+        ("actor_rollout_ref.rollout.agent.agent_loop_config_path", "loops.yaml", "null"),
+    ):
+        with pytest.raises(ValueError, match=f"{re.escape(key)}={on}: refppo does not implement"):
+            command_settings("ppo", [f"{key}={on}"])
+        _, notes = command_settings("ppo", [f"{key}={off}"])
+        assert notes[0].startswith(f"{key}={off} is refppo's behaviour already")
+    correction = "algorithm.rollout_correction.rollout_is=token"
+    with pytest.raises(ValueError, match="verl corrects for the sampler only with its log-probs"):
+        command_settings("ppo", ["actor_rollout_ref.rollout.calculate_log_probs=false", correction])
+    for line in (
+        ["actor_rollout_ref.rollout.calculate_log_probs=false"],
+        ["actor_rollout_ref.rollout.calculate_log_probs=true", correction],
+    ):
+        _, notes = command_settings("ppo", line)
+        assert "calculate_log_probs" in notes[0] and "setting of verl's engine" in notes[0]

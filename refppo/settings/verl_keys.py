@@ -337,7 +337,7 @@ ENGINE = (
             "expert_parallel_size", "pipeline_model_parallel_size", "gpu_memory_utilization", "enforce_eager",
             "cudagraph_capture_sizes", "free_cache_engine", "max_num_batched_tokens", "max_num_seqs",
             "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "load_format", "layered_summon",
-            "disable_log_stats", "multi_stage_wake_up", "skip_tokenizer_init", "calculate_log_probs", "max_model_len",
+            "disable_log_stats", "multi_stage_wake_up", "skip_tokenizer_init", "max_model_len",
             "checkpoint_engine.", "agent.", "trace.", "profiler.", "engine_kwargs.", "prometheus.",
         )
     ),
@@ -402,7 +402,7 @@ ENGINE = (
     "actor_rollout_ref.actor.use_prefix_grouper",
     "actor_rollout_ref.model.tiled_mlp.", "critic.model.tiled_mlp.", "actor_rollout_ref.model.fused_kernel_options.",
     "critic.model.fused_kernel_options.", "critic.model.use_fused_kernels", "actor_rollout_ref.actor.use_fused_kernels",
-    "actor_rollout_ref.rollout.full_determinism", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
     "actor_rollout_ref.rollout.disaggregation.", "actor_rollout_ref.rollout.seed",  # the engine's own sampling seed
     "reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes",
     "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
@@ -491,6 +491,36 @@ MISSING = {
                 for engine in ("fsdp_config", "megatron", "veomni", "torchtitan")
             ),
             *(f"critic.{engine}" for engine in ("fsdp", "megatron", "veomni", "torchtitan")),
+        )
+    },
+    # quantisation-aware training in the engine's copy of the actor's and critic's settings (the
+    # engine fake-quantises the linear layers' weights; the reference's copy is never read)
+    **{
+        f"{section}.qat.enable": ("false", "quantisation-aware training")
+        for section in (
+            "actor_rollout_ref.actor.fsdp_config",
+            "actor_rollout_ref.actor.megatron",
+            "critic.fsdp",
+            "critic.megatron",
+        )
+    },
+    # vLLM's fully deterministic sampling gives every request of a replica one seed (AsyncvLLMServer)
+    "actor_rollout_ref.rollout.full_determinism": (
+        "false",
+        "vLLM's fully deterministic sampling (one seed for every request)",
+    ),
+    # the agent loop that generates (verl/experimental/agent_loop): refppo's is the single turn's
+    "actor_rollout_ref.rollout.agent.default_agent_loop": (
+        "single_turn_agent",
+        "other agent loops (tools, several turns)",
+    ),
+    **{
+        f"actor_rollout_ref.rollout.agent.{k}": ("null", what)
+        for k, what in (
+            ("agent_loop_config_path", "agent loops from a file"),
+            ("agent_loop_manager_class", "an agent-loop manager from a file"),
+            ("custom_async_server.name", "a rollout server from a file"),
+            ("custom_async_server.path", "a rollout server from a file"),
         )
     },
     # VeOmni's scheduler (veomni.optim.build_lr_scheduler, as verl's VeOmni engine builds it): a

@@ -221,7 +221,30 @@ def _line_check(
         return functools.partial(_worker_rollout_correction, key, text, line)
     if sep and full == "model_engine":
         return functools.partial(_model_engine, key, text, line)
+    if sep and full == "actor_rollout_ref.rollout.calculate_log_probs":
+        return functools.partial(_calculate_log_probs, key, text)
     return None
+
+
+def _calculate_log_probs(key: str, text: str, translated: list[str], notes: list[str]) -> None:
+    """verl's ``rollout.calculate_log_probs``: whether its rollout engine returns the sampler's
+    log-probs, which refppo always records. Without them verl's trainer skips the rollout
+    correction (``compute_rollout_correction_and_add_to_batch`` runs only with
+    ``rollout_log_probs`` in the batch) and its bypass mode has no old log-probs, so false is
+    refused beside a correction that ``translated`` turns on; otherwise it is noted to ``notes``."""
+    given = {item.partition("=")[0].strip(): _plain(item.partition("=")[2]) for item in translated}
+    prefix = "algorithm.rollout_correction."
+    correcting = [
+        f"{prefix}{k}={given[prefix + k]}"
+        for k, off in (("rollout_is", "null"), ("rollout_rs", "null"), ("bypass_mode", "false"))
+        if given.get(prefix + k, off) != off
+    ]
+    if _plain(text) == "false" and correcting:
+        raise ValueError(
+            f"{key}={text} with {correcting[0]}: verl corrects for the sampler only with its log-probs, which this "
+            "turns off (its trainer then skips the correction); refppo always records them: give it true"
+        )
+    notes.append(_engine_note(key, text))
 
 
 def _model_engine(key: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
