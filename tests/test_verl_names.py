@@ -930,8 +930,9 @@ def test_model_engine_takes_its_configurations_defaults():
     assert any("lr_warmup_steps=3 is not read: verl's VeOmni engine warms up for" in n for n in notes)
     grpo, _ = command_settings("ppo", [*line, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"])
     assert grpo.actor.optim.lr_scheduler_type == "cosine", "the critic's default is left where there is no critic"
-    megatron, _ = command_settings("ppo", ["model_engine=megatron", *line[1:]])
+    megatron, notes = command_settings("ppo", ["model_engine=megatron", *line[1:]])
     assert megatron.actor.optim.lr_scheduler_type == "constant" and megatron.critic.data_loader_seed == 7
+    assert any("verl's Megatron optimizer takes no weight decay on biases and norms' weights" in n for n in notes)
     fsdp, _ = command_settings("ppo", line[1:])
     assert fsdp.critic.data_loader_seed == 42
     for total, ratio in ((10, 0.0), (10, 0.3), (7, 0.5)):

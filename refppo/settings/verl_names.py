@@ -33,6 +33,7 @@ from refppo.settings.verl_keys import (
     DICTS,
     ENGINE,
     ENGINE_GROUPS,
+    ENGINES_SPARING_1D,
     FULL,
     KEY_VALUES,
     MISSING,
@@ -278,6 +279,11 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
     if engine in CRITIC_SEED_FROM_ACTOR and seed is not None and "critic.data_loader_seed" not in given:
         translated.append(f"critic.data_loader_seed={seed}")
         notes.append(f"{key}={text}: critic.data_loader_seed={seed}, the actor's, as verl's {engine} critic takes it")
+    if engine in ENGINES_SPARING_1D:
+        notes.append(
+            f"{key}={text}: verl's Megatron optimizer takes no weight decay on biases and norms' weights; refppo "
+            "decays every parameter, as verl's FSDP optimizer does (lr x weight_decay x the parameter a step apart)"
+        )
     if engine == "veomni":
         for item in [item for item in translated if full_path(item.partition("=")[0].strip()) in VEOMNI_UNREAD]:
             translated.remove(item)
