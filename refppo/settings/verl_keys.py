@@ -460,6 +460,11 @@ MISSING = {
             ("total_training_steps", "-1", "a schedule length other than the run's"),
             ("warmup_style", "null", "the deprecated warmup_style (lr_scheduler_type is the setting)"),
             ("zero_indexed_step", "true", "a schedule counted from step 1"),
+            # VeOmni's scheduler (veomni.optim.build_lr_scheduler, as verl's VeOmni engine builds
+            # it): a warm-up from lr_start, a decay over lr_decay_ratio of the run, down to lr_min
+            ("lr_start", "0.0", "a warm-up from a learning rate other than 0"),
+            ("lr_decay_ratio", "1.0", "VeOmni's decay over a part of the run"),
+            ("lr_min", "0.0", "VeOmni's learning-rate floor"),
             # Megatron's optimizer (verl/utils/megatron/optimizer.py)
             ("lr_warmup_init", "0.0", "a warm-up from a learning rate other than 0"),
             ("lr_decay_steps", "null", "a schedule length other than the run's"),
@@ -521,17 +526,6 @@ MISSING = {
             ("agent_loop_manager_class", "an agent-loop manager from a file"),
             ("custom_async_server.name", "a rollout server from a file"),
             ("custom_async_server.path", "a rollout server from a file"),
-        )
-    },
-    # VeOmni's scheduler (veomni.optim.build_lr_scheduler, as verl's VeOmni engine builds it): a
-    # warm-up from lr_start, a decay over lr_decay_ratio of the run, down to lr_min
-    **{
-        f"{opt}.{k}": (off, what)
-        for opt in ("actor_rollout_ref.actor.optim", "critic.optim")
-        for k, off, what in (
-            ("lr_start", "0.0", "a warm-up from a learning rate other than 0"),
-            ("lr_decay_ratio", "1.0", "VeOmni's decay over a part of the run"),
-            ("lr_min", "0.0", "VeOmni's learning-rate floor"),
         )
     },
     # fields of verl's HFModelConfig that its YAML lacks (ADDED): the engine class verl builds (only

@@ -243,7 +243,8 @@ def _calculate_log_probs(key: str, text: str, translated: list[str], notes: list
     if _plain(text) == "false" and correcting:
         raise ValueError(
             f"{key}={text} with {correcting[0]}: verl corrects for the sampler only with its log-probs, which this "
-            "turns off (its trainer then skips the correction); refppo always records them: give it true"
+            "turns off (its trainer then skips a decoupled correction and stops in bypass mode); refppo always records "
+            "them: give it true"
         )
     notes.append(_engine_note(key, text))
 
