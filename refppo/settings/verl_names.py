@@ -212,8 +212,8 @@ def _line_check(
     key: str, full: str, sep: str, text: str, line: list[str]
 ) -> Callable[[list[str], list[str]], None] | None:
     """For a verl setting read against the rest of the verl command ``line`` (``critic.enable``,
-    bypass mode's loss by name and its settings): its check, to run on the translated line with the
-    notes; None for any other setting."""
+    bypass mode's loss by name and its settings, ``model_engine``, ``rollout.calculate_log_probs``):
+    its check, to run on the translated line with the notes; None for any other setting."""
     if sep and full == "critic.enable":
         return functools.partial(_critic_enable, text)
     if sep and refppo_key(key) == "actor.policy_loss" and _plain(text) == "bypass_mode":
@@ -231,8 +231,8 @@ def _calculate_log_probs(key: str, text: str, translated: list[str], notes: list
     """verl's ``rollout.calculate_log_probs``: whether its rollout engine returns the sampler's
     log-probs, which refppo always records. Without them verl's trainer skips the rollout
     correction (``compute_rollout_correction_and_add_to_batch`` runs only with
-    ``rollout_log_probs`` in the batch) and its bypass mode has no old log-probs, so false is
-    refused beside a correction that ``translated`` turns on; otherwise it is noted to ``notes``."""
+    ``rollout_log_probs`` in the batch) and its bypass mode stops (``apply_bypass_mode``), so false
+    is refused beside a correction that ``translated`` turns on; otherwise it is noted to ``notes``."""
     given = {item.partition("=")[0].strip(): _plain(item.partition("=")[2]) for item in translated}
     prefix = "algorithm.rollout_correction."
     correcting = [
