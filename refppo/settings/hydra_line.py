@@ -28,7 +28,9 @@ from refppo.settings.verl_keys import ADDED, MISSING
 from refppo.settings.verl_map import REFPPO_ONLY, VERL_CONFIG_PACKAGE
 from refppo.settings.verl_names import full_path, refppo_key, unread_reason
 
-VERL_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")  # verl's own, in verl/trainer/config
+# verl's own configurations (verl/trainer/config) and what each adds to ppo_trainer: its
+# ppo_megatron_trainer.yaml is ppo_trainer.yaml with "override model_engine: megatron"
+VERL_CONFIGS = {"ppo_trainer": (), "ppo_megatron_trainer": ("model_engine=megatron",)}
 VERL_CONFIG_PATHS = ("config", "./config")  # main_ppo's own folder: Hydra reads it beside main_ppo.py
 CONFIG_OPTIONS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
 
@@ -78,9 +80,7 @@ def config_file_settings(path: str, name: str) -> tuple[list[str], list[str]]:
     """
     stem = name.removesuffix(".yaml")
     if path in VERL_CONFIG_PATHS and stem in VERL_CONFIGS:
-        # verl's ppo_megatron_trainer.yaml is its ppo_trainer.yaml with "override model_engine: megatron"
-        engine = ["model_engine=megatron"] if stem == "ppo_megatron_trainer" else []
-        return engine, [
+        return list(VERL_CONFIGS[stem]), [
             f"--config-name={name} is verl's own configuration: its algorithm defaults are refppo's on a verl line"
         ]
     file = Path(path) / f"{stem}.yaml"
@@ -109,7 +109,7 @@ def config_file_settings(path: str, name: str) -> tuple[list[str], list[str]]:
     except OmegaConfBaseException as error:
         raise ValueError(f"{file}: {error}".splitlines()[0]) from None
     # a model_engine the file sets comes after its defaults' own, as Hydra composes _self_ last
-    engine = ["model_engine=megatron"] if "ppo_megatron_trainer" in defaults else []
+    engine = [setting for entry in defaults for setting in VERL_CONFIGS.get(entry, ())]
     return [*engine, *_flat(values)], [f"the settings of {file}, then the command line's"]
 
 

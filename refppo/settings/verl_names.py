@@ -69,8 +69,23 @@ def refppo_key(key: str) -> str:
     return full[len(FULL) :] if full.startswith(FULL) else key
 
 
+def _in_family(full: str, k: str) -> bool:
+    """Whether the verl key ``full`` is the table key ``k``, or one under it when ``k`` ends in "."."""
+    return full == k or (k.endswith(".") and full.startswith(k))
+
+
 def _is_engine(full: str) -> bool:
-    return any(full == k or (k.endswith(".") and full.startswith(k)) for k in ENGINE)
+    return any(_in_family(full, k) for k in ENGINE)
+
+
+def _line_values(items: list[str]) -> dict[str, str]:
+    """The values of ``key=value`` settings (a verl command line's, or translated ones) by verl's
+    full key, ``+`` dropped and spaces stripped; a key given twice takes its last value."""
+    values = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        values[full_path(key.strip().lstrip("+"))] = text.strip()
+    return values
 
 
 def _plain(text: str) -> str:
@@ -91,10 +106,7 @@ def _same_value(text: str, off: str) -> bool:
 def _sequence_parallel_budgets(translated: list[str], line: list[str], notes: list[str]) -> list[str]:
     """``translated`` (refppo's keys) with each token budget multiplied by its model's Ulysses size
     on the verl command ``line`` (:data:`SEQUENCE_PARALLEL`); a note for each goes to ``notes``."""
-    given = {}
-    for item in line:
-        key, _, text = item.partition("=")
-        given[full_path(key.strip().lstrip("+"))] = text.strip()
+    given = _line_values(line)
     out = []
     for item in translated:
         key, sep, text = item.partition("=")
@@ -113,8 +125,7 @@ def _sequence_parallel_budgets(translated: list[str], line: list[str], notes: li
 
 def _estimator(translated: list[str]) -> str:
     """The advantage estimator a translated line gives (verl's default, gae, when it gives none)."""
-    estimators = [item.partition("=")[2].strip() for item in translated if item.startswith("algorithm.adv_estimator=")]
-    return _plain(estimators[-1]) if estimators else "gae"
+    return _plain(_line_values(translated).get("algorithm.adv_estimator", "gae"))
 
 
 def _critic_enable(text: str, translated: list[str], notes: list[str]) -> None:
@@ -140,10 +151,7 @@ def _bypass_loss(key: str, text: str, line: list[str], translated: list[str], no
     ``algorithm.rollout_correction.bypass_mode=true`` and refused without it. The loss reads its
     settings from the workers' copy only (:func:`_worker_rollout_correction`), so a loss setting the
     verl command ``line`` gives under ``algorithm.rollout_correction`` alone is refused."""
-    modes = [
-        item.partition("=")[2] for item in translated if item.startswith("algorithm.rollout_correction.bypass_mode=")
-    ]
-    if not modes or _plain(modes[-1]) != "true":
+    if _plain(_line_values(translated).get("algorithm.rollout_correction.bypass_mode", "false")) != "true":
         raise ValueError(
             f"{key}={text}: refppo computes bypass mode's loss in bypass mode: give it with "
             "algorithm.rollout_correction.bypass_mode=true (and the loss's settings under "
@@ -157,10 +165,7 @@ def _bypass_settings_in_the_workers_copy(key: str, text: str, line: list[str]) -
     """Refuse a setting of bypass mode's loss that the verl command ``line`` (which names that loss,
     ``key=text``) gives under ``algorithm.rollout_correction`` at other than
     :data:`BYPASS_LOSS_DEFAULTS` and not in the workers' copy, which alone verl's loss reads."""
-    given = {}
-    for item in line:
-        name, _, value = item.partition("=")
-        given[full_path(name.strip().lstrip("+"))] = value
+    given = _line_values(line)
     for field, default in BYPASS_LOSS_DEFAULTS.items():
         trainers = f"algorithm.rollout_correction.{field}"
         workers = WORKER_ROLLOUT_CORRECTION + field
@@ -197,14 +202,14 @@ def _worker_rollout_correction(key: str, text: str, line: list[str], translated:
         )
         return
     target = f"algorithm.rollout_correction.{name}"
-    given = [item.partition("=")[2] for item in translated if item.partition("=")[0].strip() == target]
-    if given and not _same_value(_plain(given[-1]), _plain(text)):
+    given = _line_values(translated).get(target)
+    if given is not None and not _same_value(_plain(given), _plain(text)):
         raise ValueError(
-            f"{key}={text} and {target}={given[-1]}: verl's bypass loss reads the first, and refppo's one "
+            f"{key}={text} and {target}={given}: verl's bypass loss reads the first, and refppo's one "
             f"setting is {target}; give the two the same value"
         )
     notes.append(f"{key}={text} is refppo's {target}, which its bypass-mode loss reads")
-    if not given:
+    if given is None:
         translated.append(f"{target}={text}")
 
 
@@ -233,12 +238,12 @@ def _calculate_log_probs(key: str, text: str, translated: list[str], notes: list
     correction (``compute_rollout_correction_and_add_to_batch`` runs only with
     ``rollout_log_probs`` in the batch) and its bypass mode stops (``apply_bypass_mode``), so false
     is refused beside a correction that ``translated`` turns on; otherwise it is noted to ``notes``."""
-    given = {item.partition("=")[0].strip(): _plain(item.partition("=")[2]) for item in translated}
+    given = _line_values(translated)
     prefix = "algorithm.rollout_correction."
     correcting = [
-        f"{prefix}{k}={given[prefix + k]}"
+        f"{prefix}{k}={_plain(given[prefix + k])}"
         for k, off in (("rollout_is", "null"), ("rollout_rs", "null"), ("bypass_mode", "false"))
-        if given.get(prefix + k, off) != off
+        if _plain(given.get(prefix + k, off)) != off
     ]
     if _plain(text) == "false" and correcting:
         raise ValueError(
@@ -266,17 +271,14 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
     if engine not in MODEL_ENGINES:
         raise ValueError(f"{key}={text}: verl 0.9's engines are {', '.join(MODEL_ENGINES)} and torchtitan")
     notes.append(f"{key}={text} picks verl's {engine} engine, whose settings have no effect in refppo")
-    given = {}
-    for item in line:
-        name, _, value = item.partition("=")
-        given[refppo_key(name.strip().lstrip("+"))] = value.strip()
+    given = _line_values(line)
     has_critic = needs_critic(_estimator(translated))
     for verl, default in MODEL_ENGINES[engine].items():
         name = refppo_key(verl)
-        if name not in given and (has_critic or not name.startswith("critic.")):
+        if verl not in given and (has_critic or not name.startswith("critic.")):
             translated.append(f"{name}={default}")
             notes.append(f"{key}={text}: {name}={default}, the default of verl's {engine} configuration")
-    seed = given.get("actor.data_loader_seed")
+    seed = given.get("actor_rollout_ref.actor.data_loader_seed")
     if engine in CRITIC_SEED_FROM_ACTOR and seed is not None and "critic.data_loader_seed" not in given:
         translated.append(f"critic.data_loader_seed={seed}")
         notes.append(f"{key}={text}: critic.data_loader_seed={seed}, the actor's, as verl's {engine} critic takes it")
@@ -297,7 +299,7 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
 def unread_reason(full: str) -> str | None:
     """Why verl leaves the setting ``full`` unread (:data:`UNREAD_BY_VERL`), or None."""
     for k, why in UNREAD_BY_VERL.items():
-        if full == k or (k.endswith(".") and full.startswith(k)):
+        if _in_family(full, k):
             return why
     return None
 
@@ -311,11 +313,7 @@ def _engine_note(key: str, text: str, what: str | None = None) -> str:
 def _not_implemented(key: str, full: str, sep: str, text: str) -> str | None:
     """For a key of :data:`NOT_IMPLEMENTED`: a ValueError naming what refppo lacks, unless the value
     turns the feature off (then the note that says so); None for any other key."""
-    missing = [
-        what
-        for k, what in NOT_IMPLEMENTED.items()
-        if full not in ENGINE and (full == k or (k.endswith(".") and full.startswith(k)))
-    ]
+    missing = [what for k, what in NOT_IMPLEMENTED.items() if full not in ENGINE and _in_family(full, k)]
     if not missing:
         return None
     if not (sep and _plain(text) in OFF):
@@ -413,7 +411,7 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
     for check in line_checks:
         check(out, notes)
     out = _sequence_parallel_budgets(out, overrides, notes)
-    keys = {item.partition("=")[0].strip() for item in out}
+    keys = _line_values(out)
     if "data.train_files" in keys and "data.task" not in keys:  # verl's command lines name only their files
         out.append("data.task=file")
     return out, notes
@@ -480,7 +478,7 @@ def _rollout_lengths(lengths: dict[str, tuple[str, str]], out: list[str], notes:
     """The data lengths that verl's ``rollout.prompt_length`` / ``response_length`` give (their
     refppo setting -> (verl's key, value)), checked against the same lengths in ``out``; a note for
     each goes to ``notes``."""
-    given = {item.partition("=")[0].strip(): item.partition("=")[2].strip() for item in out}
+    given = _line_values(out)
     added = []
     for data_key, (key, text) in lengths.items():
         if data_key in given and _plain(given[data_key]) != _plain(text):
