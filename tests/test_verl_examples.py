@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from test_verl_names import _gsm8k_files, chat_model  # noqa: F401  (a fixture)
 
+from refppo.rollout import deepseek_v4
 from refppo.rollout.models import add_lora, load_causal_lm
 from refppo.runs.cli import main
 from refppo.settings.overrides import command_settings
@@ -73,7 +74,7 @@ def test_the_recorded_lines_are_verls_examples():
     accepted = Counter(outcome == "accepted" for outcome in OUTCOMES.values())
     # the count when this test was last changed: it may only grow, unless a line was wrongly accepted
     # (VeOmni's router replay, refused since its engine's own router_replay.mode is read)
-    assert accepted[True] >= 62, accepted
+    assert accepted[True] >= 63, accepted
 
 
 # Sizes a CPU runs in seconds; every other setting as the script passes it.
@@ -101,6 +102,31 @@ def reward_model(chat_model, tmp_path_factory):  # noqa: F811
     argv = ["rm", "data.task=preference", f"model.path={chat_model}", "rm.steps=3", "rm.batch_size=8"]
     assert main([*argv, "rm.n_pairs=24", f"trainer.output_dir={out}", "trainer.progress_bar=false"]) == 0
     return out / "model"
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4_model(chat_model, tmp_path_factory):  # noqa: F811
+    """The chat model with DeepSeek-V4's special tokens in its tokenizer (and rows for them in its
+    embeddings), for the lines that render prompts with DeepSeek-V4's encoding."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("deepseek_v4") / "model"
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    specials = [deepseek_v4.BOS, deepseek_v4.EOS, deepseek_v4.USER, deepseek_v4.ASSISTANT]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    model = load_causal_lm(chat_model)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _policy(settings: list[str], chat: Path, deepseek_v4_model: Path) -> Path:
+    """The tiny model standing in for a line's policy: one whose tokenizer has DeepSeek-V4's tokens
+    where the line renders prompts with DeepSeek-V4's encoding."""
+    if "data.continuous_token.model_family=deepseekv4" in settings:
+        return deepseek_v4_model
+    return chat
 
 
 def _for_a_cpu(settings: list[str], models: tuple[Path, Path], data: Path, out: Path) -> list[str]:
@@ -150,14 +176,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 
 
 @pytest.mark.parametrize("script", sorted(s for s, outcome in OUTCOMES.items() if outcome == "accepted"))
-def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model, tmp_path):  # noqa: F811
+def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model, deepseek_v4_model, tmp_path):  # noqa: F811
     _gsm8k_files(tmp_path, ("train", "test"), 16)
     (tmp_path / "reward.py").write_text(STAND_IN_REWARD)
     settings = next(line["settings"] for line in EXAMPLES if line["script"] == script)
     if any("lora_adapter_path" in item for item in settings):  # a saved adapter of the tiny model
         add_lora(load_causal_lm(chat_model), r=4).save_pretrained(tmp_path / "adapter")
     out = tmp_path / "run"
-    assert main(["ppo", *_for_a_cpu(settings, (chat_model, reward_model), tmp_path, out)]) == 0
+    policy = _policy(settings, chat_model, deepseek_v4_model)
+    assert main(["ppo", *_for_a_cpu(settings, (policy, reward_model), tmp_path, out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and "actor/pg_loss" in rows[-1], rows[-1].keys()
 

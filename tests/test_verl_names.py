@@ -589,9 +589,29 @@ def test_token_budgets_take_the_sequence_parallel_size():
     config, notes = command_settings("ppo", line)
     assert config.actor.ppo_max_token_len_per_gpu == 2816 * 8
     assert config.critic.ppo_max_token_len_per_gpu == 2000, "the critic's own size, 1, is not the actor's"
-    assert any("Ulysses sequence-parallel size of 8: verl's micro-batches hold 22528 tokens" in n for n in notes)
+    assert any("size of 8 in verl's dp engine: verl's micro-batches hold 22528 tokens" in n for n in notes)
     config, _ = command_settings("ppo", [*line, "critic.ulysses_sequence_parallel_size=2"])
     assert config.critic.ppo_max_token_len_per_gpu == 4000
+
+
+def test_each_engine_multiplies_the_token_budget_by_its_own_sequence_parallel_size():
+    """The ``sp_size`` each verl 0.9 engine gives ``prepare_micro_batches``: VeOmni's Ulysses size
+    (``VeOmniEngine``, ``verl/workers/engine/veomni/transformer_impl.py``), Megatron's context-parallel
+    size (``MegatronEngine``, ``verl/workers/engine/megatron/transformer_impl.py``); another engine's
+    size on the line is not read (examples/grpo_trainer/run_deepseek_v4_veomni.sh: 2560 x 4, one
+    sequence of 2048 + 8192 tokens)."""
+    budget = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2560"]
+    sizes = {
+        "veomni": "actor_rollout_ref.actor.veomni.ulysses_parallel_size=4",
+        "megatron": "actor_rollout_ref.actor.megatron.context_parallel_size=4",
+        "dp": "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4",
+    }
+    for engine, size in sizes.items():
+        config, _ = command_settings("ppo", [f"model_engine={engine}", *budget, size])
+        assert config.actor.ppo_max_token_len_per_gpu == 2560 * 4, engine
+        for other in set(sizes.values()) - {size}:
+            config, _ = command_settings("ppo", [f"model_engine={engine}", *budget, other])
+            assert config.actor.ppo_max_token_len_per_gpu == 2560, (engine, other)
 
 
 def test_critic_enable_must_agree_with_the_estimator():
@@ -978,3 +998,21 @@ def test_engine_keys_that_change_what_verl_computes_are_refused():
     ):
         _, notes = command_settings("ppo", line)
         assert "calculate_log_probs" in notes[0] and "setting of verl's engine" in notes[0]
+
+
+def test_a_long_prompt_is_cut_from_the_left_as_verls_rollout_cuts_it():
+    """verl 0.9's ``RLHFDataset`` (``verl/utils/dataset/rl_dataset.py``) stores ``data.truncation``
+    and reads it nowhere; ``AgentLoopBase.apply_chat_template``
+    (``verl/experimental/agent_loop/agent_loop.py``) cuts a text prompt longer than
+    ``rollout.prompt_length`` from the left. A line's right or middle cut is that left cut, with a
+    note (examples/grpo_trainer/run_qwen3_5_122b_a10b_megatron.sh); a run takes error or left."""
+    for value in ("right", "middle"):
+        config, notes = command_settings("ppo", [f"data.truncation={value}"])
+        assert config.data.truncation == "left", value
+        assert any(f"data.truncation={value}: verl 0.9's rollout cuts a prompt" in note for note in notes), notes
+    for value in ("error", "left"):
+        assert command_settings("ppo", [f"data.truncation={value}"])[0].data.truncation == value
+    config = Config()
+    config.data.truncation = "right"
+    with pytest.raises(ValueError, match="data.truncation='right' is not one of error, left"):
+        validate(config, "ppo")

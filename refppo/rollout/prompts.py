@@ -14,12 +14,21 @@ response token ``t``: its logits predict token ``t`` and its value is ``values[:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from refppo.guards.checks import check_choice
+from refppo.rollout import deepseek_v4
 from refppo.settings.config import TRUNCATION_MODES
+
+# how a chat becomes text: the tokenizer's chat template, or DeepSeek-V4's own encoding
+# (verl's continuous-token rollouts of that family: refppo.rollout.deepseek_v4)
+CHAT_ENCODINGS = ("template", "deepseek_v4")
+# families verl's "auto" tries before DeepSeek-V4, by a model name with all but letters and digits
+# removed (infer_continuous_token_model_family): a name matching one of them is not DeepSeek-V4's
+FAMILIES_BEFORE_DEEPSEEK_V4 = ("glm5", "glm47", "gemma4", "gptoss")
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +53,11 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
     return ids, mask
 
 
-def prompt_problem(prompt, tokenizer=None) -> str | None:
+def prompt_problem(prompt, tokenizer=None, chat_encoding: str = "template") -> str | None:
     """Why ``prompt`` cannot be a prompt, or None. A prompt is a text, or a chat: a non-empty list
     of ``{"role": str, "content": str}`` messages (verl's data format), which needs a tokenizer
-    with a chat template (checked when ``tokenizer`` is given)."""
+    with a chat template (checked when ``tokenizer`` is given) unless ``chat_encoding`` is
+    DeepSeek-V4's own (:data:`CHAT_ENCODINGS`)."""
     if isinstance(prompt, str):
         return None
     if isinstance(prompt, dict):
@@ -60,20 +70,26 @@ def prompt_problem(prompt, tokenizer=None) -> str | None:
         )
     ):
         return 'is neither a text nor a chat (a non-empty list of {"role": ..., "content": ...} messages, strings)'
-    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+    if chat_encoding == "template" and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         return "is a chat, but the tokenizer has no chat template to render it"
     return None
 
 
 def encode_prompts(
-    tokenizer, prompts: Sequence, names: Sequence[str] | None = None, chat_template_kwargs: Mapping | None = None
+    tokenizer,
+    prompts: Sequence,
+    names: Sequence[str] | None = None,
+    chat_template_kwargs: Mapping | None = None,
+    chat_encoding: str = "template",
 ) -> list[list[int]]:
     """The token ids of each prompt, as verl's rollout builds them.
 
     A text is encoded with the tokenizer's special tokens (a BOS where the tokenizer adds one). A
     chat is rendered by the tokenizer's chat template with the assistant's turn opened
-    (``add_generation_prompt=True``), then encoded without adding special tokens: the template
-    writes its own, and adding them again would double the BOS of Llama-style tokenizers.
+    (``add_generation_prompt=True``), or by DeepSeek-V4's encoding
+    (:func:`refppo.rollout.deepseek_v4.encode_messages`), then encoded without adding special
+    tokens: the rendering writes its own, and adding them again would double the BOS of
+    Llama-style tokenizers.
 
     Args:
         tokenizer: a Hugging Face tokenizer; chats need its ``chat_template``.
@@ -81,6 +97,8 @@ def encode_prompts(
         names: N names of the prompts for errors (e.g. "file.jsonl:3"); None: "prompt i".
         chat_template_kwargs: keyword arguments to the chat template (verl's
             ``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
+        chat_encoding: one of :data:`CHAT_ENCODINGS` (:func:`chat_encoding_for` reads it from a run's
+            settings).
 
     Returns:
         N lists of token ids.
@@ -88,13 +106,17 @@ def encode_prompts(
     Raises:
         ValueError: naming the prompt: not a text or a chat, or a chat its template refuses.
     """
+    check_choice("chat_encoding", chat_encoding, CHAT_ENCODINGS)
     names = names or [f"prompt {i}" for i in range(len(prompts))]
     for name, prompt in zip(names, prompts):
-        if (problem := prompt_problem(prompt, tokenizer)) is not None:
+        if (problem := prompt_problem(prompt, tokenizer, chat_encoding)) is not None:
             raise ValueError(f"{name} {problem}")
     chats = [not isinstance(p, str) for p in prompts]
     kwargs = dict(chat_template_kwargs or {})
-    texts = [_render_chat(tokenizer, p, name, kwargs) if chat else p for p, chat, name in zip(prompts, chats, names)]
+    texts = [
+        _render_chat(tokenizer, prompt, name, kwargs, chat_encoding) if chat else prompt
+        for prompt, chat, name in zip(prompts, chats, names)
+    ]
     ids: list[list[int]] = [[] for _ in prompts]
     for chat in (False, True):  # one tokenizer call for the texts, one for the chats
         rows = [i for i, c in enumerate(chats) if c == chat]
@@ -104,11 +126,17 @@ def encode_prompts(
     return ids
 
 
-def _render_chat(tokenizer, chat: Sequence[dict], name: str, kwargs: dict) -> str:
-    """A chat rendered by the tokenizer's template with the assistant's turn opened; a template's
-    refusal (e.g. of a role it does not know) becomes a ValueError naming the prompt and its roles."""
+def _render_chat(tokenizer, chat: Sequence[dict], name: str, kwargs: dict, chat_encoding: str) -> str:
+    """A chat rendered by the tokenizer's template (or DeepSeek-V4's encoding) with the
+    assistant's turn opened; a refusal (e.g. of a role it does not know) becomes a ValueError
+    naming the prompt and its roles."""
     from jinja2 import TemplateError
 
+    if chat_encoding == "deepseek_v4":
+        try:
+            return deepseek_v4.encode_messages(chat, kwargs)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
     try:
         return tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=False, **kwargs)
     except TemplateError as error:
@@ -134,9 +162,10 @@ def tokenize_prompts(
     max_prompt_length: int | None = None,
     truncation: str = "error",
     chat_template_kwargs: Mapping | None = None,
+    chat_encoding: str = "template",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize prompts into a left-padded batch (texts with the tokenizer's special tokens, chats
-    through its chat template: :func:`encode_prompts`).
+    through its chat template or DeepSeek-V4's encoding: :func:`encode_prompts`).
 
     Args:
         tokenizer: a tokenizer prepared by ``refppo.rollout.models.prepare_tokenizer``.
@@ -147,6 +176,7 @@ def tokenize_prompts(
             tokens from the left (keeps the end, next to the response); "right" from the right
             (keeps the start); "middle" keeps the first half and the last half.
         chat_template_kwargs: keyword arguments to the chat template (:func:`encode_prompts`).
+        chat_encoding: one of :data:`CHAT_ENCODINGS` (:func:`encode_prompts`).
 
     Returns:
         (input_ids (N, L) int64, attention_mask (N, L) int64).
@@ -156,7 +186,7 @@ def tokenize_prompts(
         raise ValueError("prompts must be a list of texts, got one string")
     if len(prompts) == 0:
         raise ValueError("no prompts: the prompt list is empty")
-    ids = encode_prompts(tokenizer, prompts, chat_template_kwargs=chat_template_kwargs)
+    ids = encode_prompts(tokenizer, prompts, chat_template_kwargs=chat_template_kwargs, chat_encoding=chat_encoding)
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
             if len(seq) > max_prompt_length:
@@ -171,12 +201,48 @@ def tokenize_prompts(
 
 def tokenize_records(tokenizer, records: Sequence[dict], data) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tokenize_prompts` of the records' prompts (``data.prompt_key``) under ``data``'s
-    ``max_prompt_length``, ``truncation`` and ``apply_chat_template_kwargs`` (a run's ``config.data``):
-    (N, L) ids and mask."""
+    ``max_prompt_length``, ``truncation``, ``apply_chat_template_kwargs`` and ``continuous_token``
+    (a run's ``config.data``): (N, L) ids and mask."""
     prompts = [r[data.prompt_key] for r in records]
     return tokenize_prompts(
-        tokenizer, prompts, data.max_prompt_length, data.truncation, data.apply_chat_template_kwargs
+        tokenizer,
+        prompts,
+        max_prompt_length=data.max_prompt_length,
+        truncation=data.truncation,
+        chat_template_kwargs=data.apply_chat_template_kwargs,
+        chat_encoding=chat_encoding_for(data, tokenizer),
     )
+
+
+def chat_encoding_for(data, tokenizer) -> str:
+    """How a run renders its chat prompts (:data:`CHAT_ENCODINGS`), from ``data.continuous_token``
+    (a run's ``config.data``) as verl's single-turn rollout renders them: "deepseek_v4" for the
+    ``deepseekv4`` family, or for "auto" when the tokenizer's name (refppo's ``model.path``) says
+    DeepSeek-V4 as verl's ``infer_continuous_token_model_family`` reads it; "template" otherwise,
+    since every other family's builder renders a first turn with the chat template.
+
+    Raises:
+        ValueError: DeepSeek-V4's encoding with a tokenizer that lacks its end-of-sentence token
+            (verl's builder requires it), or with ``data.filter_overlong_prompts`` (verl measures
+            those lengths with the chat template, not the encoding it trains on).
+    """
+    ct = data.continuous_token
+    if not ct.enable:
+        return "template"
+    name = re.sub(r"[^a-z0-9]+", "", str(getattr(tokenizer, "name_or_path", "") or "").lower())
+    named_v4 = ("deepseekv4" in name or "dsv4" in name) and not any(f in name for f in FAMILIES_BEFORE_DEEPSEEK_V4)
+    if ct.model_family != "deepseekv4" and not (ct.model_family == "auto" and named_v4):
+        return "template"
+    family = f"data.continuous_token.model_family={ct.model_family}"
+    if deepseek_v4.EOS not in tokenizer.get_vocab():
+        raise ValueError(f"{family}: the tokenizer has no DeepSeek-V4 token {deepseek_v4.EOS!r}, which verl requires")
+    if data.filter_overlong_prompts:
+        raise ValueError(
+            f"{family} with data.filter_overlong_prompts=true: verl measures the prompts it filters with the "
+            "tokenizer's chat template, not the DeepSeek-V4 encoding it trains on (verl's deepseek.py says to "
+            "leave filtering off); set data.filter_overlong_prompts=false"
+        )
+    return "deepseek_v4"
 
 
 def decode_texts(tokenizer, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

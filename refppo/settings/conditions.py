@@ -142,6 +142,7 @@ RULE_SCORES = when(lambda s: not s.config.reward_model.enable, "reward_model.ena
 DAPO_MANAGER = when(lambda s: s.config.reward_model.reward_manager == "dapo", "reward_model.reward_manager=dapo")
 REWARD_FILE = when(lambda s: s.owner.path is not None, "reward_model.custom_reward_function.path=<a .py file>")
 OVERLONG = when(lambda s: s.config.reward_model.overlong_buffer.enable, "reward_model.overlong_buffer.enable=true")
+CONTINUOUS_TOKEN = when(lambda s: s.owner.enable, "data.continuous_token.enable=true")
 FILTERING = when(lambda s: s.owner.enable, "algorithm.filter_groups.enable=true")
 FRESH_MODEL = when(
     lambda s: s.config.model.path is None, "model.path=null (a fresh tiny model; a checkpoint brings its own shape)"

@@ -27,6 +27,7 @@ from refppo.settings.conditions import (
     ACTOR_ROWS,
     ARITHMETIC,
     BYPASSING,
+    CONTINUOUS_TOKEN,
     COSINE,
     CRITIC_NORM,
     CRITIC_ROWS,
@@ -86,8 +87,17 @@ __all__ = [
 ]  # fmt: skip
 
 TASKS = ("arithmetic", "preference", "file")
-# what a prompt longer than data.max_prompt_length gets (verl's data.truncation; refppo.rollout.prompts)
+# how refppo.rollout.prompts can cut a prompt longer than its limit (verl's postprocess_data)
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+# what a prompt longer than data.max_prompt_length gets in a run: refused, or cut from the left, as
+# verl 0.9's rollout cuts it whatever its data.truncation says (AgentLoopBase.apply_chat_template)
+RUN_TRUNCATIONS = ("error", "left")
+# verl's continuous-token builder families (verl/utils/tokenizer/continuous_token_wiring.py); "auto"
+# picks one from the model's name
+CONTINUOUS_TOKEN_FAMILIES = (
+    "auto", "default", "qwen", "qwen25", "qwen3", "qwen35", "minimax", "minimaxm2", "minimaxm25", "minimaxm27",
+    "glm47", "glm5", "gemma4", "gptoss", "deepseekv4",
+)  # fmt: skip
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 LR_SCHEDULERS = ("constant", "cosine")
@@ -113,6 +123,18 @@ POSITIVE_RATE = "(0, 1e10]"
 
 
 # ---- the settings ------------------------------------------------------------------------
+@dataclass
+class ContinuousTokenConfig:
+    """``data.continuous_token.*`` (verl's): chat prompts rendered as verl's continuous-token
+    rollouts render them. On refppo's single-turn rollout that changes only how a chat becomes
+    text: DeepSeek-V4's own encoding for the ``deepseekv4`` family, the tokenizer's chat template
+    for every other (:func:`refppo.rollout.prompts.chat_encoding`)."""
+
+    enable: bool = setting(False)
+    # "auto": DeepSeek-V4's encoding when the model's name says DeepSeek-V4 (deepseek-v4, dsv4), as verl infers it
+    model_family: str = setting("auto", CONTINUOUS_TOKEN_FAMILIES, needs=CONTINUOUS_TOKEN)
+
+
 @dataclass
 class DataConfig:
     """``data.*`` (verl's ``data.*``): where prompts come from, batch size and length limits."""
@@ -141,13 +163,15 @@ class DataConfig:
     val_size: int = setting(200, COUNT, commands=("sft", "ppo"), needs=EVALUATION_PROMPTS)
     max_prompt_length: int = setting(16, COUNT, commands=COMMANDS, needs=RM_FILE)
     max_response_length: int = setting(8, COUNT, commands=COMMANDS, needs=RM_FILE)
-    truncation: str = setting("error", TRUNCATION_MODES)
+    truncation: str = setting("error", RUN_TRUNCATIONS)
     # drop the prompts longer than data.max_prompt_length instead (verl's; before any truncation);
     # sft and rm: the records whose prompt or responses are longer than the two limits
     filter_overlong_prompts: bool = setting(False, commands=COMMANDS, needs=FILE_TASK)
     # keyword arguments to the tokenizer's chat template wherever a chat prompt is rendered, as
     # verl's (e.g. enable_thinking=false); given one by one: data.apply_chat_template_kwargs.<name>=<value>
     apply_chat_template_kwargs: dict[str, object] = setting(commands=COMMANDS, needs=FILE_TASK, factory=dict)
+    # verl's rollouts read it; sft and rm render chats with the chat template
+    continuous_token: ContinuousTokenConfig = section(ContinuousTokenConfig, commands=("ppo",), needs=FILE_TASK)
 
 
 @dataclass

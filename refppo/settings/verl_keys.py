@@ -267,7 +267,6 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.model.mtp.": "multi-token prediction",
     "actor_rollout_ref.model.override_config.": "overriding the model's own config",
     "actor_rollout_ref.model.exclude_modules": "LoRA on some of the linear layers (refppo adapts all of them)",
-    "data.continuous_token.": "continuous-token inputs",
     "data.custom_cls.": "dataset classes from a file",
     "data.audio_key": "audio inputs",
     "data.mm_processor_kwargs": "image, video or audio inputs",
@@ -314,6 +313,10 @@ NOT_IMPLEMENTED = {
     },
 }
 VALUES = {("actor.policy_loss", "vanilla"): "clip"}  # verl's name of a value -> refppo's
+# data.truncation values verl 0.9's RL path never applies: its rollout cuts a prompt longer than
+# rollout.prompt_length from the left (AgentLoopBase.apply_chat_template); RLHFDataset stores the
+# setting and reads it nowhere
+CUT_FROM_THE_LEFT = ("right", "middle")
 # a verl setting whose values are refppo settings
 KEY_VALUES = {"trainer.resume_mode": {"auto": "trainer.resume=true", "disable": "trainer.resume=false"}}
 RENAMED = {
@@ -590,16 +593,20 @@ MISSING_CHOICES = {
     "(algorithm.adv_estimator=rloo keeps its score, as verl's rloo)",
 }
 
-# verl's token budget per micro-batch is max_token_len_per_gpu times the model's Ulysses
-# sequence-parallel size (prepare_micro_batches in verl/workers/engine/utils.py): the ranks of a
+# verl's token budget per micro-batch is max_token_len_per_gpu times the sequence-parallel size its
+# engine assigns (prepare_micro_batches in verl/workers/engine/utils.py; sp_size: FSDP's Ulysses
+# size, Megatron's and MindSpeed's context-parallel size, VeOmni's Ulysses size): the ranks of a
 # group share each sequence. refppo gives each sequence one process, so its budget is the product.
+# refppo's key -> model_engine -> the verl keys that give the size
 SEQUENCE_PARALLEL = {
-    "actor.ppo_max_token_len_per_gpu": (
-        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
-        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-    ),
-    "critic.ppo_max_token_len_per_gpu": (
-        "critic.fsdp.ulysses_sequence_parallel_size",
-        "critic.ulysses_sequence_parallel_size",
-    ),
+    f"{refppo_role}.ppo_max_token_len_per_gpu": {
+        "dp": (f"{role}.{fsdp}.ulysses_sequence_parallel_size", f"{role}.ulysses_sequence_parallel_size"),
+        "megatron": (f"{role}.megatron.context_parallel_size",),
+        "mindspeed": (f"{role}.mindspeed.context_parallel_size",),
+        "veomni": (f"{role}.veomni.ulysses_parallel_size",),
+    }
+    for refppo_role, role, fsdp in (
+        ("actor", "actor_rollout_ref.actor", "fsdp_config"),
+        ("critic", "critic", "fsdp"),
+    )
 }

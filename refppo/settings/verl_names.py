@@ -29,6 +29,7 @@ from refppo.settings.verl_keys import (
     APPLY_CHAT_TEMPLATE_OWN,
     BYPASS_LOSS_DEFAULTS,
     CRITIC_SEED_FROM_ACTOR,
+    CUT_FROM_THE_LEFT,
     DETECTED_DEVICES,
     DICTS,
     ENGINE,
@@ -104,20 +105,23 @@ def _same_value(text: str, off: str) -> bool:
 
 
 def _sequence_parallel_budgets(translated: list[str], line: list[str], notes: list[str]) -> list[str]:
-    """``translated`` (refppo's keys) with each token budget multiplied by its model's Ulysses size
-    on the verl command ``line`` (:data:`SEQUENCE_PARALLEL`); a note for each goes to ``notes``."""
+    """``translated`` (refppo's keys) with each token budget multiplied by its model's
+    sequence-parallel size under the engine of the verl command ``line`` (:data:`SEQUENCE_PARALLEL`);
+    a note for each goes to ``notes``."""
     given = _line_values(line)
+    engine = _plain(given.get("model_engine", "dp"))
     out = []
     for item in translated:
         key, sep, text = item.partition("=")
-        sizes = [given[k] for k in SEQUENCE_PARALLEL.get(key.strip(), ()) if k in given]
+        size_keys = SEQUENCE_PARALLEL.get(key.strip(), {}).get(engine, ())
+        sizes = [given[k] for k in size_keys if k in given]
         if not sep or not sizes or int(_plain(sizes[0])) == 1:
             out.append(item)
             continue
         budget = int(_plain(text)) * int(_plain(sizes[0]))
         notes.append(
-            f"{key}={text} with a Ulysses sequence-parallel size of {_plain(sizes[0])}: verl's micro-batches hold "
-            f"{budget} tokens, and so do refppo's"
+            f"{key}={text} with a sequence-parallel size of {_plain(sizes[0])} in verl's {engine} engine: verl's "
+            f"micro-batches hold {budget} tokens, and so do refppo's"
         )
         out.append(f"{key}={budget}")
     return out
@@ -323,8 +327,9 @@ def _not_implemented(key: str, full: str, sep: str, text: str) -> str | None:
 
 def _refppo_setting(key: str, sep: str, text: str, notes: list[str]) -> str:
     """A setting refppo takes, as ``key=value`` in refppo's names (verl's names of the key and of
-    the value translated); a device verl would leave for the one it detects is refppo's auto, with
-    a note to ``notes``.
+    the value translated); a device verl would leave for the one it detects is refppo's auto, and a
+    ``data.truncation`` verl never applies (:data:`CUT_FROM_THE_LEFT`) is the left cut verl makes,
+    each with a note to ``notes``.
 
     Raises:
         ValueError: a name in verl's registries that refppo does not implement.
@@ -336,6 +341,13 @@ def _refppo_setting(key: str, sep: str, text: str, notes: list[str]) -> str:
             "(trainer.device=auto: CUDA when there is one, else the CPU)"
         )
         return "trainer.device=auto"
+    if sep and name == "data.truncation" and _plain(text) in CUT_FROM_THE_LEFT:
+        notes.append(
+            f"{key}={text}: verl 0.9's rollout cuts a prompt longer than rollout.prompt_length from the left "
+            "whatever data.truncation says (AgentLoopBase.apply_chat_template), and so does refppo "
+            "(data.truncation=left)"
+        )
+        return "data.truncation=left"
     if sep and (name, _plain(text)) in MISSING_CHOICES:
         raise ValueError(f"{key}={text}: refppo does not implement {MISSING_CHOICES[name, _plain(text)]}")
     value = VALUES.get((name, _plain(text)), text) if sep else text

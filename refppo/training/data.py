@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from refppo.rollout.prompts import encode_prompts, prompt_problem
+from refppo.rollout.prompts import chat_encoding_for, encode_prompts, prompt_problem
 from refppo.settings.config import Config
 from refppo.tasks import arithmetic, preference
 from refppo.tasks.rules import rule_problem, rule_reward
@@ -139,6 +139,7 @@ def load_records(
     max_prompt_length: int | None = None,
     drop_overlong: bool = False,
     chat_template_kwargs: dict | None = None,
+    chat_encoding: str = "template",
 ) -> list[dict]:
     """Prompt records from a JSONL or Parquet file (:func:`read_records`); each needs a
     ``prompt_key`` that holds a text, or a chat (a list of ``{"role", "content"}`` messages, as in
@@ -151,17 +152,18 @@ def load_records(
     template refuses (a role it does not know) and, given ``max_prompt_length`` too, a prompt with
     more tokens than that (``data.truncation=error``), which ``drop_overlong`` drops instead
     (``data.filter_overlong_prompts``); chats are rendered with ``chat_template_kwargs``
-    (``data.apply_chat_template_kwargs``), as the trainer renders them.
+    (``data.apply_chat_template_kwargs``) and ``chat_encoding``
+    (:data:`refppo.rollout.prompts.CHAT_ENCODINGS`), as the trainer renders them.
     """
     located = read_records(path)
     for where, rec in located:
         if not isinstance(rec, dict) or prompt_key not in rec:
             raise ValueError(f"{where}: the record has no field {prompt_key!r} (data.prompt_key)")
-        if (problem := prompt_problem(rec[prompt_key], tokenizer)) is not None:
+        if (problem := prompt_problem(rec[prompt_key], tokenizer, chat_encoding)) is not None:
             raise ValueError(f"{where}: the record's {prompt_key!r} {problem} (data.prompt_key)")
     if tokenizer is not None:  # renders every chat, so a template's refusal is named here
         prompts, names = [rec[prompt_key] for _, rec in located], [where for where, _ in located]
-        ids = encode_prompts(tokenizer, prompts, names, chat_template_kwargs)
+        ids = encode_prompts(tokenizer, prompts, names, chat_template_kwargs, chat_encoding)
         kept = []
         for (where, rec), length in zip(located, map(len, ids)):
             if max_prompt_length is None or length <= max_prompt_length:
@@ -169,7 +171,8 @@ def load_records(
             elif not drop_overlong:
                 raise ValueError(
                     f"{where}: the prompt has {length} tokens, more than data.max_prompt_length={max_prompt_length} "
-                    "(raise it, or set data.truncation=left, right or middle, or data.filter_overlong_prompts=true)"
+                    "(raise it, or set data.truncation=left to cut it from the left as verl 0.9's rollout does, or "
+                    "data.filter_overlong_prompts=true)"
                 )
         if not kept:
             raise ValueError(f"{path}: every prompt has more than data.max_prompt_length={max_prompt_length} tokens")
@@ -220,12 +223,21 @@ def task_data(config: Config, tokenizer=None) -> tuple[list[dict], list[dict], o
             preference.gold_reward,
         )
     limit = d.max_prompt_length if d.truncation == "error" or d.filter_overlong_prompts else None
+    encoding = "template" if tokenizer is None else chat_encoding_for(d, tokenizer)
 
     def load(paths: tuple[str, ...]) -> list[dict]:
-        kwargs = d.apply_chat_template_kwargs
-        return [
-            r for p in paths for r in load_records(p, d.prompt_key, tokenizer, limit, d.filter_overlong_prompts, kwargs)
-        ]
+        records = []
+        for path in paths:
+            records += load_records(
+                path,
+                d.prompt_key,
+                tokenizer,
+                max_prompt_length=limit,
+                drop_overlong=d.filter_overlong_prompts,
+                chat_template_kwargs=d.apply_chat_template_kwargs,
+                chat_encoding=encoding,
+            )
+        return records
 
     train = load(d.train_files)
     val = load(d.val_files) if d.val_files else train[: d.val_size]
