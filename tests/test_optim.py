@@ -145,3 +145,49 @@ def test_run_and_schedule_lengths_are_verls(steps, epochs):
     verl_schedule = steps if steps is not None else loader * epochs
     verl_run = verl_schedule if epochs is None else min(verl_schedule, loader * epochs)
     assert (total_steps(config, 100), schedule_steps(config, 100)) == (verl_run, verl_schedule)
+
+
+def _adamw_float64(params, grads, lr, betas, eps, decays, steps):
+    """AdamW written out (decoupled decay first, then Adam's bias-corrected step), each parameter
+    with its own decay, over ``steps`` steps of the same gradients: the parameters after."""
+    out = []
+    for p, g, wd in zip(params, grads, decays):
+        p = p.clone()
+        m = torch.zeros_like(p)
+        v = torch.zeros_like(p)
+        for t in range(1, steps + 1):
+            p = p * (1 - lr * wd)
+            m = betas[0] * m + (1 - betas[0]) * g
+            v = betas[1] * v + (1 - betas[1]) * g * g
+            m_hat = m / (1 - betas[0] ** t)
+            v_hat = v / (1 - betas[1] ** t)
+            p = p - lr * m_hat / (v_hat.sqrt() + eps)
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("decay_1d", [True, False])
+def test_megatrons_optimizer_spares_1d_parameters_the_weight_decay(decay_1d):
+    """verl's Megatron engine builds Megatron-Core's optimizer without a ``no_weight_decay_cond``
+    (``get_megatron_optimizer`` in ``verl/utils/megatron/optimizer.py``), whose default parameter
+    groups (``_get_param_groups`` in ``megatron/core/optimizer/__init__.py``) take no decay on a
+    name ending in ``.bias`` or a 1-D parameter; verl's FSDP engine decays every parameter."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).double()
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    grads = [torch.randn_like(p) for p in params]
+    lr, wd = 0.1, 0.3
+    optim = validate(apply_overrides(Config(), [f"actor.optim.weight_decay={wd}"])).actor.optim
+    optim.lr = lr
+    optim.decay_1d_params = decay_1d
+    optimizer, _ = make_optimizer(params, optim, total_steps=3)
+    for _ in range(3):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer.step()
+    decays = [wd if decay_1d or p.dim() != 1 else 0.0 for p in params]
+    expected = _adamw_float64(start, grads, lr, optim.betas, 1e-8, decays, steps=3)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-12, atol=1e-12)
+    assert [p.dim() for p in params] == [2, 2, 1, 1, 1], "an embedding, a weight, a bias, a norm's weight and bias"

@@ -952,9 +952,10 @@ def test_model_engine_takes_its_configurations_defaults():
     assert grpo.actor.optim.lr_scheduler_type == "cosine", "the critic's default is left where there is no critic"
     megatron, notes = command_settings("ppo", ["model_engine=megatron", *line[1:]])
     assert megatron.actor.optim.lr_scheduler_type == "constant" and megatron.critic.data_loader_seed == 7
-    assert any("verl's Megatron optimizer takes no weight decay on biases and norms' weights" in n for n in notes)
+    assert (megatron.actor.optim.decay_1d_params, megatron.critic.optim.decay_1d_params) == (False, False)
+    assert any("actor.optim.decay_1d_params=false, as verl's megatron optimizer" in n for n in notes)
     fsdp, _ = command_settings("ppo", line[1:])
-    assert fsdp.critic.data_loader_seed == 42
+    assert fsdp.critic.data_loader_seed == 42 and fsdp.actor.optim.decay_1d_params
     for total, ratio in ((10, 0.0), (10, 0.3), (7, 0.5)):
         optim = apply_overrides(config, [f"actor.optim.lr_warmup_steps_ratio={ratio}"]).actor.optim
         _, scheduler = make_optimizer([torch.nn.Parameter(torch.zeros(1))], optim, total)
@@ -1016,3 +1017,35 @@ def test_a_long_prompt_is_cut_from_the_left_as_verls_rollout_cuts_it():
     config.data.truncation = "right"
     with pytest.raises(ValueError, match="data.truncation='right' is not one of error, left"):
         validate(config, "ppo")
+
+
+def test_megatrons_optimizers_print_as_a_megatron_line():
+    """``--print-verl`` of a run whose optimizers spare 1-D parameters the weight decay (verl's
+    Megatron engine, ``get_megatron_optimizer`` in ``verl/utils/megatron/optimizer.py``) is a
+    Megatron line, and its YAML composes ``ppo_megatron_trainer``; both read back as the run. One
+    model alone sparing them, or a cosine schedule (Megatron's refppo lacks), has no verl line: the
+    setting is printed as a comment."""
+    from refppo.settings.verl_map import verl_command, verl_yaml
+
+    config, _ = command_settings("ppo", ["model_engine=megatron", "actor_rollout_ref.actor.optim.lr=1e-6"])
+    printed = verl_command(config)
+    assert "    model_engine=megatron" in printed and "lr_scheduler_type" not in printed
+    again, _ = command_settings("ppo", _printed(printed))
+    assert (again.actor.optim.decay_1d_params, again.critic.optim.decay_1d_params) == (False, False)
+    assert "- ppo_megatron_trainer\n" in verl_yaml(config) and "model_engine" not in verl_yaml(config)
+    decays = ["actor.optim.weight_decay=0.1", "critic.optim.weight_decay=0.1"]
+    assert "model_engine=megatron" in verl_command(
+        validate(apply_overrides(Config(), decays[:1] + ["actor.optim.decay_1d_params=false"]), "ppo")
+    ), "the critic takes no decay: Megatron's optimizer equals it"
+    alone = apply_overrides(Config(), [*decays, "actor.optim.decay_1d_params=false"])
+    printed = verl_command(validate(alone, "ppo"))
+    assert "model_engine" not in printed
+    assert "#   actor.optim.decay_1d_params=false: verl's Megatron engine spares 1-D parameters" in printed
+    cosine = apply_overrides(config, ["actor.optim.lr_scheduler_type=cosine"])
+    assert "model_engine" not in verl_command(validate(cosine, "ppo"))
+
+
+def _printed(command: str) -> list[str]:
+    """The settings of a printed verl command line (its comments left out)."""
+    line = command.split("\n# refppo settings")[0]
+    return [item.strip().rstrip("\\").strip() for item in line.splitlines()[1:] if item.strip()]

@@ -118,6 +118,7 @@ SHUFFLED = when(
 # verl's engines take the warm-up from the ratio whenever lr_warmup_steps <= 0 (FSDPEngine._build_lr_scheduler)
 WARMUP_BY_RATIO = when(lambda s: s.owner.lr_warmup_steps <= 0, lambda s: f"{s.section}lr_warmup_steps=-1 (or any <= 0)")
 COSINE = when(lambda s: s.owner.lr_scheduler_type == "cosine", lambda s: f"{s.section}lr_scheduler_type=cosine")
+DECAYING = when(lambda s: s.owner.weight_decay > 0, lambda s: f"{s.section}weight_decay > 0")
 KL_CTRL_TARGET = when(lambda s: s.owner.type != "fixed", "algorithm.kl_ctrl.type=adaptive or ppo_paper")
 KL_CTRL_ADAPTIVE = when(lambda s: s.owner.type == "adaptive", "algorithm.kl_ctrl.type=adaptive")
 # verl's fit validates at step 0 with val_before_train whatever test_freq says, then every test_freq steps

@@ -32,6 +32,7 @@ from refppo.settings.conditions import (
     CRITIC_NORM,
     CRITIC_ROWS,
     DAPO_MANAGER,
+    DECAYING,
     DYNAMIC_BSZ,
     ENDS_AT_EOS,
     ESTIMATOR_TAKES,
@@ -214,7 +215,8 @@ class OptimConfig:
     """``actor.optim.*`` / ``critic.optim.*`` (verl's names under ``actor_rollout_ref.actor.optim``
     and ``critic.optim``): AdamW and verl's schedules (:func:`refppo.training.optim.make_optimizer`), a
     linear warm-up from 0, then constant, or cosine down to min_lr_ratio x lr at
-    trainer.total_training_steps."""
+    trainer.total_training_steps; weight decay on every parameter (verl's FSDP engine) or on those
+    of two or more dimensions (its Megatron engine)."""
 
     lr: float = setting(1e-5, RATE)
     # at most 1: the decoupled decay multiplies the weights by 1 - lr x weight_decay
@@ -225,6 +227,9 @@ class OptimConfig:
     lr_warmup_steps_ratio: float = setting(0.0, "[0, 1]", needs=WARMUP_BY_RATIO)
     lr_scheduler_type: str = setting("constant", LR_SCHEDULERS)
     min_lr_ratio: float = setting(0.0, "[0, 1]", needs=COSINE)  # the cosine's floor, a share of lr
+    # false: no weight decay on 1-D parameters (biases, norms' weights), as Megatron-Core's default
+    # parameter groups spare them in verl's Megatron engine; true: every parameter, as verl's FSDP engine
+    decay_1d_params: bool = setting(True, needs=DECAYING)
 
 
 @dataclass

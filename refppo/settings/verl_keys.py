@@ -581,8 +581,8 @@ TORCHTITAN = "TorchTitan's learning-rate schedule (a linear decay over the run b
 # VeOmni's scheduler warms up for lr_warmup_steps_ratio of the run (verl's VeOmni engine passes only that)
 VEOMNI_UNREAD = ("actor_rollout_ref.actor.optim.lr_warmup_steps", "critic.optim.lr_warmup_steps")
 # Megatron's optimizer (megatron.core.optimizer's parameter groups, which verl builds without a
-# no_weight_decay_cond) takes no weight decay on biases and other 1-D parameters (norms' weights);
-# refppo decays every parameter, as verl's FSDP optimizer does: noted on such a line.
+# no_weight_decay_cond) takes no weight decay on biases and other 1-D parameters (norms' weights):
+# on such a line, refppo's optim.decay_1d_params=false (verl's FSDP optimizer decays every parameter)
 ENGINES_SPARING_1D = ("megatron", "mindspeed")
 # Every engine but FSDP's takes the critic's data_loader_seed from the actor's unless given
 # (critic/<engine>_critic.yaml: ${oc.select:actor_rollout_ref.actor.data_loader_seed,null}).

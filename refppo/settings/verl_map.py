@@ -31,6 +31,11 @@ REFPPO_ONLY = {
     "actor.penalty_kl_coef": "PPO-penalty (ch 2), a loss verl does not have",
     "actor.penalty_kl_type": "PPO-penalty (ch 2), a loss verl does not have",
     "rollout.cuda_graphs": "refppo's own decoder; verl samples with vLLM or SGLang",
+    **{
+        f"{role}.optim.decay_1d_params": "verl's engine decides: false is its Megatron engine's optimizer, true its "
+        "FSDP engine's (--print-verl gives model_engine=megatron for false)"
+        for role in ("actor", "critic")
+    },
     "model.compile_layers": "refppo's own; verl's torchtitan engine compiles each layer under use_torch_compile",
     "reward_model.reward_fn": "a Python function, package.module:function (verl's reward.custom_reward_function "
     "takes a file path and a name)",
@@ -163,7 +168,8 @@ def effective_value(config: Config, key: str):
 def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list[str]]:
     """The verl 0.9 settings that run ``config`` as ``refppo ppo`` does: every setting it reads that
     verl shares, as ``key=value`` by verl's full key (a null that stands for another setting is
-    given that one's value; ``+`` before a key verl's configuration lacks), and a line for each
+    given that one's value; ``+`` before a key verl's configuration lacks; ``model_engine=megatron``
+    first where the optimizers are Megatron's, :func:`_megatron_optimizers`), and a line for each
     setting verl has no counterpart for.
 
     Raises:
@@ -173,10 +179,17 @@ def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list
         raise ValueError(f"verl's main_ppo runs refppo ppo's settings: refppo {command} has none")
     ignored = ignored_settings(config, command)
     read = [key for key in read_settings(command, config) if key not in ignored]
-    lines = []
+    megatron = _megatron_optimizers(config, read)
+    lines = ["model_engine=megatron"] if megatron else []
     alone = []
     for key in read:
         value = effective_value(config, key)
+        if key.endswith(".optim.decay_1d_params"):
+            if not value and not megatron:
+                alone.append(f"{key}=false: verl's Megatron engine spares 1-D parameters for every model it trains")
+            continue  # true: verl's FSDP engine, the default
+        if megatron and key.endswith(".optim.lr_scheduler_type"):
+            continue  # constant: Megatron's lr_decay_style default
         if (key, value) in (("data.task", "file"), ("trainer.device", "auto")):
             continue  # what verl does: prompts from files, CUDA
         if key == "actor.clip_ratio" and "actor.clip_ratio_low" in read:
@@ -200,6 +213,15 @@ def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list
     return lines, alone
 
 
+def _megatron_optimizers(config: Config, read: list[str]) -> bool:
+    """Whether ``config``'s optimizers are verl's Megatron engine's: every model that takes weight
+    decay spares its 1-D parameters (``optim.decay_1d_params=false``), at a constant schedule (the
+    one of Megatron's that refppo has); ``read``: the settings the run reads."""
+    sparing = [get_value(config, key) for key in read if key.endswith(".optim.decay_1d_params")]
+    schedules = [get_value(config, key) for key in read if key.endswith(".optim.lr_scheduler_type")]
+    return bool(sparing) and not any(sparing) and all(schedule == "constant" for schedule in schedules)
+
+
 def verl_command(config: Config, command: str = "ppo") -> str:
     """The verl 0.9 command line that runs ``config`` as ``refppo ppo`` does (:func:`verl_settings`),
     then, as comments, the settings verl has no counterpart for."""
@@ -211,12 +233,14 @@ def verl_command(config: Config, command: str = "ppo") -> str:
 
 def verl_yaml(config: Config, command: str = "ppo") -> str:
     """A YAML configuration verl 0.9's ``main_ppo`` loads (``--config-path=DIR --config-name=NAME``)
-    and runs as ``refppo ppo`` runs ``config``: verl's ``ppo_trainer`` (found through Hydra's search
-    path in the installed verl), then :func:`verl_settings`; the settings verl has no counterpart
-    for follow as comments."""
+    and runs as ``refppo ppo`` runs ``config``: verl's ``ppo_trainer`` (``ppo_megatron_trainer`` for
+    Megatron's optimizers; found through Hydra's search path in the installed verl), then
+    :func:`verl_settings`; the settings verl has no counterpart for follow as comments."""
     lines, alone = verl_settings(config, command)
-    settings = OmegaConf.from_dotlist([line.lstrip("+") for line in lines])
-    head = f"hydra:\n  searchpath:\n  - {VERL_CONFIG_PACKAGE}\ndefaults:\n- ppo_trainer\n- _self_\n"
+    # verl's Megatron configuration is ppo_trainer with model_engine=megatron, a choice of its defaults
+    base = "ppo_megatron_trainer" if "model_engine=megatron" in lines else "ppo_trainer"
+    settings = OmegaConf.from_dotlist([line.lstrip("+") for line in lines if line != "model_engine=megatron"])
+    head = f"hydra:\n  searchpath:\n  - {VERL_CONFIG_PACKAGE}\ndefaults:\n- {base}\n- _self_\n"
     comments = "".join(f"\n#   {line}" for line in alone)
     return (
         head

@@ -263,7 +263,8 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
     (``defaults`` in ``verl/trainer/config/ppo_trainer.yaml``): the engine's defaults where they
     differ from FSDP's (:data:`MODEL_ENGINES`) are added to ``translated`` where the verl command
     ``line`` leaves them, its critic takes the actor's ``data_loader_seed`` unless given
-    (:data:`CRITIC_SEED_FROM_ACTOR`), and VeOmni's unread warm-up length is dropped; a note for each
+    (:data:`CRITIC_SEED_FROM_ACTOR`), Megatron's optimizers spare 1-D parameters the weight decay
+    (:data:`ENGINES_SPARING_1D`), and VeOmni's unread warm-up length is dropped; a note for each
     goes to ``notes``.
 
     Raises:
@@ -287,10 +288,12 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
         translated.append(f"critic.data_loader_seed={seed}")
         notes.append(f"{key}={text}: critic.data_loader_seed={seed}, the actor's, as verl's {engine} critic takes it")
     if engine in ENGINES_SPARING_1D:
-        notes.append(
-            f"{key}={text}: verl's Megatron optimizer takes no weight decay on biases and norms' weights; refppo "
-            "decays every parameter, as verl's FSDP optimizer does (lr x weight_decay x the parameter a step apart)"
-        )
+        for role in ("actor", "critic") if has_critic else ("actor",):
+            translated.append(f"{role}.optim.decay_1d_params=false")
+            notes.append(
+                f"{key}={text}: {role}.optim.decay_1d_params=false, as verl's {engine} optimizer takes no weight "
+                "decay on biases and norms' weights (Megatron-Core's parameter groups)"
+            )
     if engine == "veomni":
         for item in [item for item in translated if full_path(item.partition("=")[0].strip()) in VEOMNI_UNREAD]:
             translated.remove(item)
