@@ -1049,3 +1049,18 @@ def _printed(command: str) -> list[str]:
     """The settings of a printed verl command line (its comments left out)."""
     line = command.split("\n# refppo settings")[0]
     return [item.strip().rstrip("\\").strip() for item in line.splitlines()[1:] if item.strip()]
+
+
+def test_a_context_shorter_than_prompt_and_response_is_refused():
+    """verl 0.9's ``vLLMHttpServer.generate`` (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``)
+    caps a response at ``max_model_len`` minus its prompt's tokens; ``SGLangHttpServer.generate``
+    (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``) at one token fewer. Below the two
+    lengths' sum (plus one for SGLang) a long prompt's response is cut short, which refppo does not do."""
+    lengths = ["data.max_prompt_length=100", "data.max_response_length=50"]
+    for line, limit in (([], 150), (["actor_rollout_ref.rollout.name=sglang"], 151)):
+        command_settings("ppo", [*lengths, *line, f"actor_rollout_ref.rollout.max_model_len={limit}"])
+        command_settings("ppo", [*lengths, *line, "actor_rollout_ref.rollout.max_model_len=null"])
+        with pytest.raises(ValueError, match=f"max_model_len={limit - 1}: refppo does not implement a context shorter"):
+            command_settings("ppo", [*lengths, *line, f"actor_rollout_ref.rollout.max_model_len={limit - 1}"])
+    with pytest.raises(ValueError, match="shorter than 1024 tokens"):  # verl's default lengths, 512 and 512
+        command_settings("ppo", ["actor_rollout_ref.rollout.max_model_len=1000"])

@@ -8,7 +8,7 @@ from refppo.settings.config import Config, apply_overrides, declarations
 from refppo.settings.hydra_line import hydra_settings
 from refppo.settings.validate import ignored_message, ignored_settings, read_settings, validate
 from refppo.settings.verl_map import verl_line_defaults
-from refppo.settings.verl_names import is_verl_line, translate
+from refppo.settings.verl_names import check_context_length, is_verl_line, translate
 
 
 def check_overrides_are_read(command: str, config: Config, overrides: list[str]) -> None:
@@ -72,6 +72,8 @@ def command_settings(command: str, given: list[str]) -> tuple[Config, list[str]]
     config = fresh()
     check_overrides_are_read(command, apply_overrides(config, [*defaults, *overrides]), overrides)
     config = validate(config, command)
+    if command == "ppo":
+        check_context_length(given, config.data.max_prompt_length, config.data.max_response_length)
     val_kwargs = config.rollout.val_kwargs
     if command == "ppo" and val_kwargs.n > 1 and val_kwargs.temperature == 0:
         notes.append(

@@ -507,6 +507,35 @@ def _rollout_lengths(lengths: dict[str, tuple[str, str]], out: list[str], notes:
     return added
 
 
+def check_context_length(line: list[str], prompt_length: int, response_length: int) -> None:
+    """verl's rollout servers cap a response at the context left after its prompt (verl 0.9's
+    ``vLLMHttpServer.generate``: ``max_model_len`` minus the prompt's tokens; SGLang's server one
+    token fewer), so a ``rollout.max_model_len`` below the longest prompt plus the longest response
+    cuts long prompts' responses short, which refppo does not do.
+
+    Args:
+        line: the verl command line's ``key=value`` items.
+        prompt_length, response_length: the run's ``data.max_prompt_length`` and ``max_response_length``.
+
+    Raises:
+        ValueError: naming ``max_model_len`` and the context it needs.
+    """
+    given = _line_values(line)
+    text = given.get("actor_rollout_ref.rollout.max_model_len")
+    if text is None or _plain(text) == "null":
+        return
+    sglang = _plain(given.get("actor_rollout_ref.rollout.name", "vllm")) == "sglang"
+    needed = prompt_length + response_length + (1 if sglang else 0)
+    if int(_plain(text)) < needed:
+        server = "SGLang's server leaves one token more" if sglang else "vLLM's server"
+        raise ValueError(
+            f"actor_rollout_ref.rollout.max_model_len={text}: refppo does not implement a context shorter than "
+            f"{needed} tokens (data.max_prompt_length + data.max_response_length"
+            f"{' + 1' if sglang else ''}), where verl's {server} cuts a long prompt's response to the context "
+            "left after it"
+        )
+
+
 def is_verl_line(overrides: list[str]) -> bool:
     """Whether a command line spells some setting as only verl does (a full path such as
     ``actor_rollout_ref.actor.optim.lr``, ``trainer.default_local_dir``, a setting of verl's engine
