@@ -297,7 +297,7 @@ def test_bad_hidden_inputs():
 
 def _arch_models(tok):
     """Tiny causal LMs of every model type that may compute log-probs from hidden states."""
-    from transformers import MistralConfig, Qwen3Config
+    from transformers import MistralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     from refppo.accel.logprobs import FUSED_KERNEL_MODEL_TYPES
 
@@ -315,6 +315,8 @@ def _arch_models(tok):
         tiny_config(tok, "qwen2", 32, 1, 2, 1, tie_word_embeddings=True),
         MistralConfig(**size),
         Qwen3Config(**size, head_dim=16),
+        Qwen2MoeConfig(**size, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4),
+        Qwen3MoeConfig(**size, head_dim=16, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
     ]
     assert sorted(c.model_type for c in configs) == sorted(FUSED_KERNEL_MODEL_TYPES)
     torch.manual_seed(0)

@@ -18,9 +18,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from test_verl_names import _gsm8k_files, chat_model  # noqa: F401  (a fixture)
 
-from refppo.rollout import deepseek_v4
+from refppo.rollout import deepseek_v4 as deepseek_v4_tokens
 from refppo.rollout.models import add_lora, load_causal_lm
 from refppo.runs.cli import main
 from refppo.settings.overrides import command_settings
@@ -74,7 +75,7 @@ def test_the_recorded_lines_are_verls_examples():
     accepted = Counter(outcome == "accepted" for outcome in OUTCOMES.values())
     # the count when this test was last changed: it may only grow, unless a line was wrongly accepted
     # (VeOmni's router replay, refused since its engine's own router_replay.mode is read)
-    assert accepted[True] >= 63, accepted
+    assert accepted[True] >= 66, accepted
 
 
 # Sizes a CPU runs in seconds; every other setting as the script passes it.
@@ -105,28 +106,51 @@ def reward_model(chat_model, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def deepseek_v4_model(chat_model, tmp_path_factory):  # noqa: F811
-    """The chat model with DeepSeek-V4's special tokens in its tokenizer (and rows for them in its
-    embeddings), for the lines that render prompts with DeepSeek-V4's encoding."""
-    from transformers import AutoTokenizer
+def stand_ins(chat_model, tmp_path_factory):  # noqa: F811
+    """``stand_in(settings)``: the tiny model standing in for a line's policy, the chat model but
+    for what the line needs of its model: DeepSeek-V4's special tokens in the tokenizer (and rows
+    for them in the embeddings) where it renders prompts with DeepSeek-V4's encoding, and a
+    mixture-of-experts model of the same vocabulary (Qwen3-MoE, 4 experts, 2 per token) where it
+    replays the actor's routing."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    folder = tmp_path_factory.mktemp("deepseek_v4") / "model"
-    tokenizer = AutoTokenizer.from_pretrained(chat_model)
-    specials = [deepseek_v4.BOS, deepseek_v4.EOS, deepseek_v4.USER, deepseek_v4.ASSISTANT]
-    tokenizer.add_special_tokens({"additional_special_tokens": specials})
-    model = load_causal_lm(chat_model)
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    made = {}
 
+    def stand_in(settings: list[str]) -> Path:
+        deepseek_v4 = "data.continuous_token.model_family=deepseekv4" in settings
+        moe = any(".router_replay.mode=R" in item for item in settings)
+        if not (deepseek_v4 or moe):
+            return chat_model
+        if (deepseek_v4, moe) in made:
+            return made[deepseek_v4, moe]
+        folder = tmp_path_factory.mktemp("stand_in") / "model"
+        tokenizer = AutoTokenizer.from_pretrained(chat_model)
+        if deepseek_v4:
+            specials = [
+                deepseek_v4_tokens.BOS,
+                deepseek_v4_tokens.EOS,
+                deepseek_v4_tokens.USER,
+                deepseek_v4_tokens.ASSISTANT,
+            ]
+            tokenizer.add_special_tokens({"additional_special_tokens": specials})
+        if moe:
+            torch.manual_seed(0)
+            config = Qwen3MoeConfig(
+                vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                num_experts_per_tok=2, max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+            model = Qwen3MoeForCausalLM(config)
+        else:
+            model = load_causal_lm(chat_model)
+            model.resize_token_embeddings(len(tokenizer))
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        made[deepseek_v4, moe] = folder
+        return folder
 
-def _policy(settings: list[str], chat: Path, deepseek_v4_model: Path) -> Path:
-    """The tiny model standing in for a line's policy: one whose tokenizer has DeepSeek-V4's tokens
-    where the line renders prompts with DeepSeek-V4's encoding."""
-    if "data.continuous_token.model_family=deepseekv4" in settings:
-        return deepseek_v4_model
-    return chat
+    return stand_in
 
 
 def _for_a_cpu(settings: list[str], models: tuple[Path, Path], data: Path, out: Path) -> list[str]:
@@ -176,14 +200,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 
 
 @pytest.mark.parametrize("script", sorted(s for s, outcome in OUTCOMES.items() if outcome == "accepted"))
-def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model, deepseek_v4_model, tmp_path):  # noqa: F811
+def test_each_accepted_example_line_runs_a_step(script, chat_model, reward_model, stand_ins, tmp_path):  # noqa: F811
     _gsm8k_files(tmp_path, ("train", "test"), 16)
     (tmp_path / "reward.py").write_text(STAND_IN_REWARD)
     settings = next(line["settings"] for line in EXAMPLES if line["script"] == script)
     if any("lora_adapter_path" in item for item in settings):  # a saved adapter of the tiny model
         add_lora(load_causal_lm(chat_model), r=4).save_pretrained(tmp_path / "adapter")
     out = tmp_path / "run"
-    policy = _policy(settings, chat_model, deepseek_v4_model)
+    policy = stand_ins(settings)
     assert main(["ppo", *_for_a_cpu(settings, (policy, reward_model), tmp_path, out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and "actor/pg_loss" in rows[-1], rows[-1].keys()

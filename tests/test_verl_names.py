@@ -966,8 +966,8 @@ def test_model_engine_takes_its_configurations_defaults():
         command_settings("ppo", ["model_engine=torchtitan"])
     with pytest.raises(ValueError, match="does not implement VeOmni's decay over a part of the run"):
         command_settings("ppo", [*line, "actor_rollout_ref.actor.optim.lr_decay_ratio=0.5"])
-    with pytest.raises(ValueError, match="does not implement replaying MoE routing"):
-        command_settings("ppo", [*line, "actor_rollout_ref.actor.veomni.router_replay.mode=R2"])
+    replaying, _ = command_settings("ppo", [*line, "actor_rollout_ref.actor.veomni.router_replay.mode=R2"])
+    assert replaying.actor.router_replay == "R2", "VeOmni's engine reads its own copy"
 
 
 def test_engine_keys_that_change_what_verl_computes_are_refused():
@@ -1022,7 +1022,8 @@ def test_a_long_prompt_is_cut_from_the_left_as_verls_rollout_cuts_it():
 def test_megatrons_optimizers_print_as_a_megatron_line():
     """``--print-verl`` of a run whose optimizers spare 1-D parameters the weight decay (verl's
     Megatron engine, ``get_megatron_optimizer`` in ``verl/utils/megatron/optimizer.py``) is a
-    Megatron line, and its YAML composes ``ppo_megatron_trainer``; both read back as the run. One
+    Megatron line, and its YAML overrides ``model_engine`` as verl's ``ppo_megatron_trainer.yaml``
+    does; both read back as the run. One
     model alone sparing them, or a cosine schedule (Megatron's refppo lacks), has no verl line: the
     setting is printed as a comment."""
     from refppo.settings.verl_map import verl_command, verl_yaml
@@ -1032,7 +1033,7 @@ def test_megatrons_optimizers_print_as_a_megatron_line():
     assert "    model_engine=megatron" in printed and "lr_scheduler_type" not in printed
     again, _ = command_settings("ppo", _printed(printed))
     assert (again.actor.optim.decay_1d_params, again.critic.optim.decay_1d_params) == (False, False)
-    assert "- ppo_megatron_trainer\n" in verl_yaml(config) and "model_engine" not in verl_yaml(config)
+    assert "- ppo_trainer\n- override model_engine: megatron\n- _self_\n" in verl_yaml(config)
     decays = ["actor.optim.weight_decay=0.1", "critic.optim.weight_decay=0.1"]
     assert "model_engine=megatron" in verl_command(
         validate(apply_overrides(Config(), decays[:1] + ["actor.optim.decay_1d_params=false"]), "ppo")
@@ -1064,3 +1065,32 @@ def test_a_context_shorter_than_prompt_and_response_is_refused():
             command_settings("ppo", [*lengths, *line, f"actor_rollout_ref.rollout.max_model_len={limit - 1}"])
     with pytest.raises(ValueError, match="shorter than 1024 tokens"):  # verl's default lengths, 512 and 512
         command_settings("ppo", ["actor_rollout_ref.rollout.max_model_len=1000"])
+
+
+def test_the_actors_router_replay_is_read_in_its_strategys_engine():
+    """verl 0.9's ``ActorRolloutRefWorker.__init__`` (``verl/workers/engine_workers.py``) reads the
+    actor's ``router_replay.mode`` in the copy of its strategy, Megatron's or VeOmni's (any other
+    strategy replays nothing); R3 replays the rollout's routing, which the rollout returns only with
+    ``rollout.enable_rollout_routing_replay``, and ``RayPPOTrainer.fit`` refuses that with R2."""
+    routes = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    megatron_r3 = "actor_rollout_ref.actor.megatron.router_replay.mode=R3"
+    taken = {
+        ("model_engine=veomni", "actor_rollout_ref.actor.veomni.router_replay.mode=R2"): "R2",
+        ("model_engine=megatron", megatron_r3, routes): "R3",
+        ("actor_rollout_ref.actor.strategy=megatron", megatron_r3, routes): "R3",
+        (megatron_r3,): "disabled",  # FSDP's strategy
+        ("model_engine=veomni", "actor_rollout_ref.actor.megatron.router_replay.mode=R2"): "disabled",
+    }
+    for line, mode in taken.items():
+        config, notes = command_settings("ppo", list(line))
+        assert config.actor.router_replay == mode, line
+        if mode == "disabled":
+            assert any("router_replay.mode" in note and "is not read" in note for note in notes), notes
+    with pytest.raises(ValueError, match="R3 replays the rollout's routing, which its rollout returns only with"):
+        command_settings("ppo", ["model_engine=megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R3"])
+    with pytest.raises(ValueError, match="verl's trainer refuses the two together"):
+        command_settings("ppo", ["model_engine=veomni", "actor_rollout_ref.actor.veomni.router_replay.mode=R2", routes])
+    _, notes = command_settings("ppo", [routes])
+    assert any("has no effect: no R3 router replay" in note for note in notes)
+    with pytest.raises(ValueError, match="does not implement replaying MoE routing"):
+        command_settings("ppo", ["actor_rollout_ref.ref.megatron.router_replay.mode=R2"])

@@ -68,7 +68,7 @@ def select(config: Config, device: torch.device, distributed: bool = False) -> A
       CUDA) or ``model.use_fused_kernels`` is set; else :func:`refppo.rollout.forward.response_log_probs`;
     - micro-batches: of a token budget with ``actor.use_dynamic_bsz`` / ``critic.use_dynamic_bsz``;
     - decoding: :class:`~refppo.accel.decoding.StaticDecoder` with ``rollout.cuda_graphs`` (null:
-      on CUDA, but not under torchrun);
+      on CUDA, but not under torchrun nor with ``actor.router_replay=R3``);
     - GAE: :func:`~refppo.accel.gae.packed_gae_advantage_return` on CUDA.
 
     Args:
@@ -92,9 +92,18 @@ def select(config: Config, device: torch.device, distributed: bool = False) -> A
     return Accel(
         actor=passes(config.actor),
         critic=passes(config.critic),
-        decoder=StaticDecoder if on_cuda(config.rollout.cuda_graphs, device) and not distributed else _plain_decoder,
+        decoder=StaticDecoder if _cuda_graphs(config, device, distributed) else _plain_decoder,
         adv_estimators={"gae": packed_gae_advantage_return} if cuda else {},
     )
+
+
+def _cuda_graphs(config: Config, device: torch.device, distributed: bool) -> bool:
+    """Whether the rollout decodes with CUDA graphs: ``rollout.cuda_graphs`` (null: on CUDA), never
+    under torchrun (a captured graph could not keep sharded parameters) or while recording R3's
+    routing (a replayed graph runs no Python)."""
+    if distributed or config.actor.router_replay == "R3":
+        return False
+    return on_cuda(config.rollout.cuda_graphs, device)
 
 
 def prepare_models(config: Config, actor, critic=None, reference=None, reward_model=None, distributed=False) -> None:
@@ -120,11 +129,13 @@ def prepare_models(config: Config, actor, critic=None, reference=None, reward_mo
 def compiled_models(config: Config, actor, reference=None, critic=None, reward_model=None, distributed=False) -> list:
     """The models whose decoder layers ``model.compile_layers`` compiles (null: on CUDA, but not
     under torchrun): every one given but those with activation checkpointing, whose layers
-    torch.compile does not take (an explicit true with checkpointing is refused)."""
+    torch.compile does not take (an explicit true with checkpointing is refused), and the actor and
+    reference when the actor replays its routing."""
     if distributed or not on_cuda(config.model.compile_layers, actor.device):
         return []
     models = [reward_model]
-    if not config.model.enable_gradient_checkpointing:
+    # the actor's routers record and replay in Python under actor.router_replay
+    if not config.model.enable_gradient_checkpointing and config.actor.router_replay == "disabled":
         models += [actor, reference]
     if not config.critic.model.enable_gradient_checkpointing:
         models.append(critic)

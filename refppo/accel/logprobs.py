@@ -367,7 +367,7 @@ class BlockLogProbs:
         return log_probs, entropy.masked_fill(~mask, 0.0) if calculate_entropy else None
 
 
-FUSED_KERNEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FUSED_KERNEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
 def check_fused_kernels(model, role: str = "actor") -> None:

@@ -93,6 +93,7 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 # what a prompt longer than data.max_prompt_length gets in a run: refused, or cut from the left, as
 # verl 0.9's rollout cuts it whatever its data.truncation says (AgentLoopBase.apply_chat_template)
 RUN_TRUNCATIONS = ("error", "left")
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 # verl's continuous-token builder families (verl/utils/tokenizer/continuous_token_wiring.py); "auto"
 # picks one from the model's name
 CONTINUOUS_TOKEN_FAMILIES = (
@@ -284,6 +285,9 @@ class ActorConfig:
     # each response token's sum_v pi_v^2 from the old-log-prob pass, which the optimal token
     # baselines read (verl's name)
     calculate_sum_pi_squared: bool = setting(False, needs=OLD_LOG_PROB_PASS)
+    # a mixture-of-experts actor's top-k experts fixed through the update (refppo.rollout.router_replay):
+    # R2 as the old-log-prob pass routed, R3 as the rollout did (verl's <engine>.router_replay.mode)
+    router_replay: str = setting("disabled", ROUTER_REPLAY_MODES)
     # The log-prob passes (old, reference, update) reduce their logits with kernels made by
     # torch.compile, one per block instead of several float32 passes (verl's name). null: on with
     # CUDA, off on a CPU. The first steps compile them, once per process.

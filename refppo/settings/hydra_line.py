@@ -30,7 +30,7 @@ from refppo.settings.verl_names import full_path, refppo_key, unread_reason
 
 # verl's own configurations (verl/trainer/config) and what each adds to ppo_trainer: its
 # ppo_megatron_trainer.yaml is ppo_trainer.yaml with "override model_engine: megatron"
-VERL_CONFIGS = {"ppo_trainer": (), "ppo_megatron_trainer": ("model_engine=megatron",)}
+VERL_CONFIGS = {"ppo_trainer": [], "ppo_megatron_trainer": ["model_engine=megatron"]}
 VERL_CONFIG_PATHS = ("config", "./config")  # main_ppo's own folder: Hydra reads it beside main_ppo.py
 CONFIG_OPTIONS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
 
@@ -97,20 +97,31 @@ def config_file_settings(path: str, name: str) -> tuple[list[str], list[str]]:
             f"{file}: its hydra section may only add verl's configurations to the search path "
             f"(searchpath: [{VERL_CONFIG_PACKAGE}]); refppo does not implement Hydra's other settings"
         )
-    defaults = config.pop("defaults", [])
+    defaults = OmegaConf.to_container(config.pop("defaults", OmegaConf.create([])))
     for entry in defaults:
-        if entry not in (*VERL_CONFIGS, "_self_"):
+        if entry not in (*VERL_CONFIGS, "_self_") and not _engine_choice(entry):
             raise ValueError(
                 f"{file}: its defaults list names {entry!r}; refppo composes a file with verl's "
-                f"{' or '.join(VERL_CONFIGS)} and _self_ only (give the settings themselves)"
+                f"{' or '.join(VERL_CONFIGS)}, an override of model_engine and _self_ only (give the settings "
+                "themselves)"
             )
     try:
         values = OmegaConf.to_container(config, resolve=True)
     except OmegaConfBaseException as error:
         raise ValueError(f"{file}: {error}".splitlines()[0]) from None
     # a model_engine the file sets comes after its defaults' own, as Hydra composes _self_ last
-    engine = [setting for entry in defaults for setting in VERL_CONFIGS.get(entry, ())]
+    engine = []
+    for entry in defaults:
+        engine += [f"model_engine={_engine_choice(entry)}"] if _engine_choice(entry) else VERL_CONFIGS.get(entry, [])
     return [*engine, *_flat(values)], [f"the settings of {file}, then the command line's"]
+
+
+def _engine_choice(entry) -> str | None:
+    """The engine a defaults-list entry ``override model_engine: <engine>`` picks (as verl's
+    ppo_megatron_trainer.yaml picks Megatron's), else None."""
+    if isinstance(entry, dict) and list(entry) == ["override model_engine"]:
+        return str(entry["override model_engine"])
+    return None
 
 
 def _verl_has(key: str) -> bool:

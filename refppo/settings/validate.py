@@ -271,9 +271,38 @@ def _check_estimator_inputs(config: Config) -> None:
     )
 
 
+def _check_router_replay(config: Config) -> None:
+    """What ``actor.router_replay`` needs: R2 an old-log-prob pass to record in; R3 its routes
+    recorded in one rollout, replayed in one pass (no dynamic sampling's joined batches, no second
+    pass for sum_pi_squared); both routers that run in Python (no compiled layers, and for R3 no
+    CUDA-graph decoding)."""
+    mode = config.actor.router_replay
+    if mode == "disabled":
+        return
+    _require(
+        not (mode == "R2" and config.algorithm.rollout_correction.bypass_mode),
+        "actor.router_replay=R2 records the routing in the old-log-prob pass, which "
+        "algorithm.rollout_correction.bypass_mode=true skips: use R3 (the rollout's routing) or no bypass mode",
+    )
+    _require(not config.model.compile_layers, f"actor.router_replay={mode} needs model.compile_layers off (or null)")
+    if mode == "R3":
+        _require(
+            not config.algorithm.filter_groups.enable,
+            "actor.router_replay=R3 with algorithm.filter_groups.enable=true: refppo does not join the routes of "
+            "dynamic sampling's generation batches",
+        )
+        _require(
+            not config.actor.calculate_sum_pi_squared,
+            "actor.router_replay=R3 with actor.calculate_sum_pi_squared=true: refppo computes sum_pi_squared in a "
+            "second pass, which does not replay the rollout's routing",
+        )
+        _require(not config.rollout.cuda_graphs, "actor.router_replay=R3 needs rollout.cuda_graphs off (or null)")
+
+
 def _check_combinations(config: Config) -> None:
     """Settings each valid alone that cannot work together."""
     _check_tiny_model(config.model)
+    _check_router_replay(config)
     _check_task_size(config.data)
     _check_dapo_and_validation(config)
     _check_policy_loss(config.actor)

@@ -313,6 +313,16 @@ NOT_IMPLEMENTED = {
     },
 }
 VALUES = {("actor.policy_loss", "vanilla"): "clip"}  # verl's name of a value -> refppo's
+# the actor's router replay in each engine's copy: verl's ActorRolloutRefWorker reads the one of the
+# engine the line picks, Megatron's or VeOmni's (no other engine replays): engine -> key
+ACTOR_ROUTER_REPLAY = {
+    "dp": "actor_rollout_ref.actor.fsdp_config.router_replay.mode",
+    "megatron": "actor_rollout_ref.actor.megatron.router_replay.mode",
+    "veomni": "actor_rollout_ref.actor.veomni.router_replay.mode",
+    "torchtitan": "actor_rollout_ref.actor.torchtitan.router_replay.mode",
+}
+ROUTER_REPLAY_ENGINES = ("megatron", "veomni")
+ROLLOUT_ROUTES = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 # data.truncation values verl 0.9's RL path never applies: its rollout cuts a prompt longer than
 # rollout.prompt_length from the left (AgentLoopBase.apply_chat_template); RLHFDataset stores the
 # setting and reads it nowhere
@@ -443,10 +453,6 @@ MISSING = {
         "sync",
         "the V1 trainer's asynchronous modes, whose steps train on rollouts of older weights",
     ),
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": (
-        "false",
-        "replaying the rollout's MoE routing in training",
-    ),
     **{
         f"{opt}.lr_decay_style": ("constant", f"Megatron's schedule names (refppo's: {short}.optim.lr_scheduler_type)")
         for opt, short in (("actor_rollout_ref.actor.optim", "actor"), ("critic.optim", "critic"))
@@ -489,15 +495,12 @@ MISSING = {
     "reward.reward_manager.source": ("register", "reward managers from a file"),
     "actor_rollout_ref.actor.router_replay.mode": ("disabled", "replaying MoE routing"),
     "actor_rollout_ref.ref.router_replay.mode": ("disabled", "replaying MoE routing"),
-    # each engine's own copy, which its engine reads (an exact key here wins over ENGINE's prefixes)
+    # the reference's and critic's own copies in each engine (an exact key here wins over ENGINE's
+    # prefixes); the actor's are read against the line (ACTOR_ROUTER_REPLAY)
     **{
         f"{section}.router_replay.mode": ("disabled", "replaying MoE routing")
         for section in (
-            *(
-                f"actor_rollout_ref.{role}.{engine}"
-                for role in ("actor", "ref")
-                for engine in ("fsdp_config", "megatron", "veomni", "torchtitan")
-            ),
+            *(f"actor_rollout_ref.ref.{engine}" for engine in ("fsdp_config", "megatron", "veomni", "torchtitan")),
             *(f"critic.{engine}" for engine in ("fsdp", "megatron", "veomni", "torchtitan")),
         )
     },

@@ -36,6 +36,8 @@ REFPPO_ONLY = {
         "FSDP engine's (--print-verl gives model_engine=megatron for false)"
         for role in ("actor", "critic")
     },
+    "actor.router_replay": "verl's actor_rollout_ref.actor.megatron.router_replay.mode or .veomni.router_replay.mode, "
+    "read in the engine the line picks (--print-verl gives the engine)",
     "model.compile_layers": "refppo's own; verl's torchtitan engine compiles each layer under use_torch_compile",
     "reward_model.reward_fn": "a Python function, package.module:function (verl's reward.custom_reward_function "
     "takes a file path and a name)",
@@ -179,17 +181,16 @@ def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list
         raise ValueError(f"verl's main_ppo runs refppo ppo's settings: refppo {command} has none")
     ignored = ignored_settings(config, command)
     read = [key for key in read_settings(command, config) if key not in ignored]
-    megatron = _megatron_optimizers(config, read)
-    lines = ["model_engine=megatron"] if megatron else []
+    engine = _printed_engine(config, read)
+    lines = [f"model_engine={engine}"] if engine else []
     alone = []
     for key in read:
         value = effective_value(config, key)
-        if key.endswith(".optim.decay_1d_params"):
-            if not value and not megatron:
-                alone.append(f"{key}=false: verl's Megatron engine spares 1-D parameters for every model it trains")
-            continue  # true: verl's FSDP engine, the default
-        if megatron and key.endswith(".optim.lr_scheduler_type"):
-            continue  # constant: Megatron's lr_decay_style default
+        decided = _engine_items(key, value, engine)
+        if decided is not None:
+            lines += decided[0]
+            alone += decided[1]
+            continue
         if (key, value) in (("data.task", "file"), ("trainer.device", "auto")):
             continue  # what verl does: prompts from files, CUDA
         if key == "actor.clip_ratio" and "actor.clip_ratio_low" in read:
@@ -211,6 +212,53 @@ def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list
             plus = "+" if verl_key(key) in ADDED else ""  # a key verl's config file lacks
             lines.append(f"{plus}{verl_key(key)}={text}")
     return lines, alone
+
+
+# settings a printed engine line leaves to the engine's configuration: Megatron's constant
+# schedule (lr_decay_style), VeOmni's warm-up by ratio alone and its cosine's floor of 0
+ENGINE_DEFAULTS_TAKEN = {
+    "megatron": (".optim.lr_scheduler_type",),
+    "veomni": (".optim.lr_warmup_steps", ".optim.min_lr_ratio"),
+}
+
+
+def _printed_engine(config: Config, read: list[str]) -> str | None:
+    """The verl engine a printed line picks: Megatron's where the optimizers are Megatron's
+    (:func:`_megatron_optimizers`); VeOmni's where the actor replays its routing and VeOmni's
+    optimizers run the settings (every parameter decayed, a warm-up by ratio alone, a cosine down to
+    0); None (FSDP's) otherwise; ``read``: the settings the run reads."""
+    if _megatron_optimizers(config, read):
+        return "megatron"
+    if config.actor.router_replay == "disabled":
+        return None
+    optims = [config.actor.optim] + ([config.critic.optim] if "critic.optim.lr" in read else [])
+    veomni = all(
+        optim.decay_1d_params
+        and optim.lr_warmup_steps == -1
+        and (optim.lr_scheduler_type == "constant" or optim.min_lr_ratio == 0)
+        for optim in optims
+    )
+    return "veomni" if veomni else None
+
+
+def _engine_items(key: str, value, engine: str | None) -> tuple[list[str], list[str]] | None:
+    """How a printed line gives a setting its ``engine`` decides (:func:`_printed_engine`): (verl
+    settings, comments), or None for a setting printed as any other."""
+    if key.endswith(".optim.decay_1d_params"):
+        if value or engine == "megatron":  # true: verl's FSDP and VeOmni optimizers
+            return [], []
+        return [], [f"{key}=false: verl's Megatron engine spares 1-D parameters for every model it trains"]
+    if key == "actor.router_replay":
+        if value == "disabled":
+            return [], []
+        if engine is None:
+            return [], [f"{key}={value}: verl replays routing in its Megatron and VeOmni engines, whose optimizers "
+                        "differ from these settings"]  # fmt: skip
+        routes = ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"] if value == "R3" else []
+        return [f"actor_rollout_ref.actor.{engine}.router_replay.mode={value}", *routes], []
+    if engine is not None and key.endswith(ENGINE_DEFAULTS_TAKEN[engine]):
+        return [], []
+    return None
 
 
 def _megatron_optimizers(config: Config, read: list[str]) -> bool:
@@ -237,10 +285,11 @@ def verl_yaml(config: Config, command: str = "ppo") -> str:
     Megatron's optimizers; found through Hydra's search path in the installed verl), then
     :func:`verl_settings`; the settings verl has no counterpart for follow as comments."""
     lines, alone = verl_settings(config, command)
-    # verl's Megatron configuration is ppo_trainer with model_engine=megatron, a choice of its defaults
-    base = "ppo_megatron_trainer" if "model_engine=megatron" in lines else "ppo_trainer"
-    settings = OmegaConf.from_dotlist([line.lstrip("+") for line in lines if line != "model_engine=megatron"])
-    head = f"hydra:\n  searchpath:\n  - {VERL_CONFIG_PACKAGE}\ndefaults:\n- {base}\n- _self_\n"
+    # model_engine is a choice of ppo_trainer's defaults list, made there (Hydra's override syntax)
+    engines = [line.partition("=")[2] for line in lines if line.startswith("model_engine=")]
+    choice = f"- override model_engine: {engines[0]}\n" if engines else ""
+    settings = OmegaConf.from_dotlist([line.lstrip("+") for line in lines if not line.startswith("model_engine=")])
+    head = f"hydra:\n  searchpath:\n  - {VERL_CONFIG_PACKAGE}\ndefaults:\n- ppo_trainer\n{choice}- _self_\n"
     comments = "".join(f"\n#   {line}" for line in alone)
     return (
         head

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from refppo.advantages import needs_critic
 from refppo.settings.verl_keys import (
+    ACTOR_ROUTER_REPLAY,
     APPLY_CHAT_TEMPLATE_OWN,
     BYPASS_LOSS_DEFAULTS,
     CRITIC_SEED_FROM_ACTOR,
@@ -45,6 +46,8 @@ from refppo.settings.verl_keys import (
     OFF,
     RENAMED,
     ROLLOUT_LENGTHS,
+    ROLLOUT_ROUTES,
+    ROUTER_REPLAY_ENGINES,
     SECTIONS,
     SEQUENCE_PARALLEL,
     TORCHTITAN,
@@ -233,7 +236,66 @@ def _line_check(
         return functools.partial(_model_engine, key, text, line)
     if sep and full == "actor_rollout_ref.rollout.calculate_log_probs":
         return functools.partial(_calculate_log_probs, key, text)
+    if sep and full in ACTOR_ROUTER_REPLAY.values():
+        return functools.partial(_router_replay, key, full, text, line)
+    if sep and full == ROLLOUT_ROUTES:
+        return functools.partial(_rollout_routes, key, text, line)
     return None
+
+
+def _actor_strategy(line: list[str]) -> str:
+    """The actor's ``strategy`` on a verl command ``line``: given, or its ``model_engine``'s (each
+    engine's actor configuration sets its own: fsdp, megatron, veomni, ...)."""
+    given = _line_values(line)
+    engine = _plain(given.get("model_engine", "dp"))
+    return _plain(given.get("actor_rollout_ref.actor.strategy", "fsdp" if engine == "dp" else engine))
+
+
+def _line_router_replay(line: list[str]) -> str:
+    """The actor's router replay on a verl command ``line``: the mode in the copy of its strategy's
+    engine, if that engine replays (:data:`ROUTER_REPLAY_ENGINES`); else disabled."""
+    strategy = _actor_strategy(line)
+    if strategy not in ROUTER_REPLAY_ENGINES:
+        return "disabled"
+    return _line_values(line).get(ACTOR_ROUTER_REPLAY[strategy], "disabled").strip().strip("'\"")
+
+
+def _router_replay(key: str, full: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
+    """The actor's ``<engine>.router_replay.mode``: refppo's ``actor.router_replay`` when it is the
+    copy of the actor's strategy (verl 0.9's ``ActorRolloutRefWorker.__init__`` reads that one, for
+    Megatron and VeOmni), else unread, with a note to ``notes``.
+
+    Raises:
+        ValueError: R3 without the rollout's routes (``rollout.enable_rollout_routing_replay``), or R2
+            with them, which verl's trainer refuses.
+    """
+    given = _line_values(line)
+    strategy = _actor_strategy(line)
+    if strategy not in ROUTER_REPLAY_ENGINES or full != ACTOR_ROUTER_REPLAY[strategy]:
+        notes.append(
+            f"{key}={text} is not read: verl replays the routing in the copy of the actor's strategy "
+            f"({strategy}), if it is megatron or veomni (verl leaves it unread too)"
+        )
+        return
+    mode = text.strip().strip("'\"")  # verl's modes are R2 and R3, in capitals
+    routes = _plain(given.get(ROLLOUT_ROUTES, "false")) == "true"
+    if mode == "R3" and not routes:
+        raise ValueError(
+            f"{key}={text}: verl's R3 replays the rollout's routing, which its rollout returns only with "
+            f"{ROLLOUT_ROUTES}=true"
+        )
+    if mode == "R2" and routes:
+        raise ValueError(f"{key}={text} with {ROLLOUT_ROUTES}=true: verl's trainer refuses the two together (R3 only)")
+    translated.append(f"actor.router_replay={mode}")
+
+
+def _rollout_routes(key: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
+    """verl's ``rollout.enable_rollout_routing_replay``: its rollout returns each token's routing,
+    which R3 replays (:func:`_router_replay` checks the two agree); a note to ``notes``."""
+    if _plain(text) == "true" and _line_router_replay(line) != "R3":
+        notes.append(f"{key}={text} has no effect: no R3 router replay on the line reads the rollout's routing")
+    else:
+        notes.append(f"{key}={text}: the rollout's routing is recorded exactly when actor.router_replay=R3")
 
 
 def _calculate_log_probs(key: str, text: str, translated: list[str], notes: list[str]) -> None:

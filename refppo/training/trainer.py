@@ -54,6 +54,7 @@ the end of step 6.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -76,6 +77,7 @@ from refppo.rollout.forward import compute_scores, response_values
 from refppo.rollout.generation import generate, row_uniforms
 from refppo.rollout.models import make_reference
 from refppo.rollout.prompts import decode_texts, tokenize_records
+from refppo.rollout.router_replay import Routing
 from refppo.settings.conditions import critic_only_steps, critic_warmup, policy_loss_in_use
 from refppo.settings.config import Config, critic_setting
 from refppo.training.checkpoint import STATE_FILE, load_models, save_models
@@ -157,7 +159,10 @@ class PPOTrainer:
         self.reference = reference
         # the speed paths, chosen once (refppo.accel): the same numbers as the plain ones
         accel.prepare_models(c, actor, critic, self.reference, reward_model, world.distributed)
-        self.accel = accel.select(c, self.device, world.distributed)
+        # a mixture-of-experts actor's routing recorded and replayed (actor.router_replay)
+        self.routing = Routing(actor, c.actor.router_replay)
+        chosen = accel.select(c, self.device, world.distributed)
+        self.accel = dataclasses.replace(chosen, actor=self.routing.passes(chosen.actor))
         self.sampling_model = self.accel.decoder(actor, c.data.max_prompt_length + c.data.max_response_length)
         for model in (actor, self.reference, critic, reward_model):  # under torchrun: FSDP2
             distributed.shard(model, world)
@@ -267,7 +272,9 @@ class PPOTrainer:
         mine = records[share]
         remax = self.config.algorithm.adv_estimator == "remax"
         with timer(timing, "gen", self.device):
-            batch = self.generate(mine, n, first_row=first_row + share.start * n)
+            with self.routing.sampling():
+                batch = self.generate(mine, n, first_row=first_row + share.start * n)
+            self.routing.keep_rollout_routes(batch)
             greedy = self.generate(mine, 1, do_sample=False) if remax else None  # ReMax's baseline
         batch["index"] += share.start
         with timer(timing, "reward", self.device):
@@ -412,7 +419,8 @@ class PPOTrainer:
             return None
         with timer(timing, "old_log_prob", self.device):
             micro = c.rollout.log_prob_micro_batch_size_per_gpu
-            old_log_probs, entropy = passes.compute_log_probs(self.actor, batch, temperature, micro, True)
+            with self.routing.old_log_prob_pass(batch) as routed:
+                old_log_probs, entropy = passes.compute_log_probs(self.actor, routed, temperature, micro, True)
             if c.actor.calculate_sum_pi_squared:  # verl computes it in the same pass; here a second one
                 batch["sum_pi_squared"] = passes.compute_sum_pi_squared(self.actor, batch, temperature, micro)
         batch["old_log_probs"] = old_log_probs
@@ -486,7 +494,8 @@ class PPOTrainer:
             critic_stats = self.update_model(self.learners["critic"], self._critic_loss, batch, timing)
         actor_stats = []
         if self.step >= critic_only_steps(critic_warmup(self.config)):
-            actor_stats = self.update_model(self.learners["actor"], self._actor_loss, batch, timing)
+            with self.routing.update():
+                actor_stats = self.update_model(self.learners["actor"], self._actor_loss, batch, timing)
         return critic_stats, actor_stats
 
     def update_model(self, learner: Learner, micro_loss: Callable, batch: dict, timing: dict) -> list[dict]:
