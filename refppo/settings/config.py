@@ -130,7 +130,7 @@ class ContinuousTokenConfig:
     """``data.continuous_token.*`` (verl's): chat prompts rendered as verl's continuous-token
     rollouts render them. On refppo's single-turn rollout that changes only how a chat becomes
     text: DeepSeek-V4's own encoding for the ``deepseekv4`` family, the tokenizer's chat template
-    for every other (:func:`refppo.rollout.prompts.chat_encoding`)."""
+    for every other (:func:`refppo.rollout.prompts.chat_encoding_for`)."""
 
     enable: bool = setting(False)
     # "auto": DeepSeek-V4's encoding when the model's name says DeepSeek-V4 (deepseek-v4, dsv4), as verl infers it
