@@ -1071,7 +1071,8 @@ def test_the_actors_router_replay_is_read_in_its_strategys_engine():
     """verl 0.9's ``ActorRolloutRefWorker.__init__`` (``verl/workers/engine_workers.py``) reads the
     actor's ``router_replay.mode`` in the copy of its strategy, Megatron's or VeOmni's (any other
     strategy replays nothing); R3 replays the rollout's routing, which the rollout returns only with
-    ``rollout.enable_rollout_routing_replay``, and ``RayPPOTrainer.fit`` refuses that with R2."""
+    ``rollout.enable_rollout_routing_replay``, and ``RayPPOTrainer.fit`` refuses that with R2;
+    ``VeOmniActorConfig`` refuses replay without ``use_remove_padding`` (the model's by default)."""
     routes = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
     megatron_r3 = "actor_rollout_ref.actor.megatron.router_replay.mode=R3"
     taken = {
@@ -1092,5 +1093,12 @@ def test_the_actors_router_replay_is_read_in_its_strategys_engine():
         command_settings("ppo", ["model_engine=veomni", "actor_rollout_ref.actor.veomni.router_replay.mode=R2", routes])
     _, notes = command_settings("ppo", [routes])
     assert any("has no effect: no R3 router replay" in note for note in notes)
+    veomni_r2 = ["model_engine=veomni", "actor_rollout_ref.actor.veomni.router_replay.mode=R2"]
+    for padded in (
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.actor.use_remove_padding=false",
+    ):
+        with pytest.raises(ValueError, match="verl's VeOmni actor refuses router replay on padded sequences"):
+            command_settings("ppo", [*veomni_r2, padded])
     with pytest.raises(ValueError, match="does not implement replaying MoE routing"):
         command_settings("ppo", ["actor_rollout_ref.ref.megatron.router_replay.mode=R2"])

@@ -323,6 +323,8 @@ ACTOR_ROUTER_REPLAY = {
 }
 ROUTER_REPLAY_ENGINES = ("megatron", "veomni")
 ROLLOUT_ROUTES = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+# the actor's use_remove_padding defaults to the model's (true)
+REMOVE_PADDING = "actor_rollout_ref.model.use_remove_padding"
 # data.truncation values verl 0.9's RL path never applies: its rollout cuts a prompt longer than
 # rollout.prompt_length from the left (AgentLoopBase.apply_chat_template); RLHFDataset stores the
 # setting and reads it nowhere

@@ -44,6 +44,7 @@ from refppo.settings.verl_keys import (
     NAMES,
     NOT_IMPLEMENTED,
     OFF,
+    REMOVE_PADDING,
     RENAMED,
     ROLLOUT_LENGTHS,
     ROLLOUT_ROUTES,
@@ -267,7 +268,8 @@ def _router_replay(key: str, full: str, text: str, line: list[str], translated: 
 
     Raises:
         ValueError: R3 without the rollout's routes (``rollout.enable_rollout_routing_replay``), or R2
-            with them, which verl's trainer refuses.
+            with them, which verl's trainer refuses; VeOmni's without ``use_remove_padding``, which
+            its actor's configuration refuses.
     """
     given = _line_values(line)
     strategy = _actor_strategy(line)
@@ -286,6 +288,12 @@ def _router_replay(key: str, full: str, text: str, line: list[str], translated: 
         )
     if mode == "R2" and routes:
         raise ValueError(f"{key}={text} with {ROLLOUT_ROUTES}=true: verl's trainer refuses the two together (R3 only)")
+    padding = given.get("actor_rollout_ref.actor.use_remove_padding", given.get(REMOVE_PADDING, "true"))
+    if strategy == "veomni" and mode != "disabled" and _plain(padding) == "false":
+        raise ValueError(
+            f"{key}={text} without use_remove_padding: verl's VeOmni actor refuses router replay on padded "
+            "sequences (VeOmniActorConfig); give actor_rollout_ref.model.use_remove_padding=true"
+        )
     translated.append(f"actor.router_replay={mode}")
 
 
