@@ -234,7 +234,7 @@ def chat_encoding_for(data, tokenizer) -> str:
     if ct.model_family != "deepseekv4" and not (ct.model_family == "auto" and named_v4):
         return "template"
     family = f"data.continuous_token.model_family={ct.model_family}"
-    if deepseek_v4.EOS not in tokenizer.get_vocab():
+    if tokenizer.convert_tokens_to_ids(deepseek_v4.EOS) in (None, tokenizer.unk_token_id):  # not a token of its own
         raise ValueError(f"{family}: the tokenizer has no DeepSeek-V4 token {deepseek_v4.EOS!r}, which verl requires")
     if data.filter_overlong_prompts:
         raise ValueError(

@@ -112,7 +112,8 @@ def config_file_settings(path: str, name: str) -> tuple[list[str], list[str]]:
     # a model_engine the file sets comes after its defaults' own, as Hydra composes _self_ last
     engine = []
     for entry in defaults:
-        engine += [f"model_engine={_engine_choice(entry)}"] if _engine_choice(entry) else VERL_CONFIGS.get(entry, [])
+        choice = _engine_choice(entry)
+        engine += [f"model_engine={choice}"] if choice else VERL_CONFIGS.get(entry, [])
     return [*engine, *_flat(values)], [f"the settings of {file}, then the command line's"]
 
 

@@ -170,8 +170,8 @@ def effective_value(config: Config, key: str):
 def verl_settings(config: Config, command: str = "ppo") -> tuple[list[str], list[str]]:
     """The verl 0.9 settings that run ``config`` as ``refppo ppo`` does: every setting it reads that
     verl shares, as ``key=value`` by verl's full key (a null that stands for another setting is
-    given that one's value; ``+`` before a key verl's configuration lacks; ``model_engine=megatron``
-    first where the optimizers are Megatron's, :func:`_megatron_optimizers`), and a line for each
+    given that one's value; ``+`` before a key verl's configuration lacks; ``model_engine=<engine>``
+    first where the run needs Megatron's or VeOmni's engine, :func:`_printed_engine`), and a line for each
     setting verl has no counterpart for.
 
     Raises:
@@ -281,9 +281,10 @@ def verl_command(config: Config, command: str = "ppo") -> str:
 
 def verl_yaml(config: Config, command: str = "ppo") -> str:
     """A YAML configuration verl 0.9's ``main_ppo`` loads (``--config-path=DIR --config-name=NAME``)
-    and runs as ``refppo ppo`` runs ``config``: verl's ``ppo_trainer`` (``ppo_megatron_trainer`` for
-    Megatron's optimizers; found through Hydra's search path in the installed verl), then
-    :func:`verl_settings`; the settings verl has no counterpart for follow as comments."""
+    and runs as ``refppo ppo`` runs ``config``: verl's ``ppo_trainer`` (found through Hydra's search path
+    in the installed verl), with ``override model_engine: <engine>`` where the run needs another
+    engine (:func:`_printed_engine`), then :func:`verl_settings`; the settings verl has no
+    counterpart for follow as comments."""
     lines, alone = verl_settings(config, command)
     # model_engine is a choice of ppo_trainer's defaults list, made there (Hydra's override syntax)
     engines = [line.partition("=")[2] for line in lines if line.startswith("model_engine=")]

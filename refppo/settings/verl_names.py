@@ -108,12 +108,17 @@ def _same_value(text: str, off: str) -> bool:
         return False
 
 
+def _line_engine(given: dict[str, str]) -> str:
+    """The ``model_engine`` a verl command line's values (:func:`_line_values`) pick: FSDP's, dp, unless given."""
+    return _plain(given.get("model_engine", "dp"))
+
+
 def _sequence_parallel_budgets(translated: list[str], line: list[str], notes: list[str]) -> list[str]:
     """``translated`` (refppo's keys) with each token budget multiplied by its model's
     sequence-parallel size under the engine of the verl command ``line`` (:data:`SEQUENCE_PARALLEL`);
     a note for each goes to ``notes``."""
     given = _line_values(line)
-    engine = _plain(given.get("model_engine", "dp"))
+    engine = _line_engine(given)
     out = []
     for item in translated:
         key, sep, text = item.partition("=")
@@ -248,7 +253,7 @@ def _actor_strategy(line: list[str]) -> str:
     """The actor's ``strategy`` on a verl command ``line``: given, or its ``model_engine``'s (each
     engine's actor configuration sets its own: fsdp, megatron, veomni, ...)."""
     given = _line_values(line)
-    engine = _plain(given.get("model_engine", "dp"))
+    engine = _line_engine(given)
     return _plain(given.get("actor_rollout_ref.actor.strategy", "fsdp" if engine == "dp" else engine))
 
 
