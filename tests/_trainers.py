@@ -28,12 +28,15 @@ def first_char_is_seven(prompts, responses, records):
     return torch.tensor([float(r[:1] == "7") for r in responses])
 
 
-def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_critic=None, lora_rank=0, edit=None, **kw):
+def make_trainer(
+    overrides=(), seed=0, reward_fn=first_char_is_seven, with_critic=None, lora_rank=0, edit=None, adapt=None, **kw
+):
     """A PPOTrainer on a 1-layer, 32-wide model: 16 prompts a step, 4 response tokens; a critic
     when the advantage estimator needs one (or as ``with_critic`` says); a LoRA actor of rank
-    ``lora_rank`` if it is > 0. ``critic.*`` overrides apply where the estimator has a critic
-    (validate refuses them elsewhere), so tests can share one list across estimators.
-    ``edit(config)``, if given, changes the validated config (to build one validate refuses)."""
+    ``lora_rank`` if it is > 0, or ``adapt(actor)`` if given. ``critic.*`` overrides apply where
+    the estimator has a critic (validate refuses them elsewhere), so tests can share one list
+    across estimators. ``edit(config)``, if given, changes the validated config (to build one
+    validate refuses)."""
     base = [
         "data.train_batch_size=16",
         "data.max_response_length=4",
@@ -54,6 +57,8 @@ def make_trainer(overrides=(), seed=0, reward_fn=first_char_is_seven, with_criti
     actor = load_causal_lm(model_config)
     if lora_rank:
         actor = add_lora(actor, r=lora_rank)
+    if adapt is not None:
+        actor = adapt(actor)
     if with_critic is None:
         with_critic = needs_critic(config.algorithm.adv_estimator)
     critic = load_value_model(model_config) if with_critic else None

@@ -35,6 +35,8 @@ def test_the_measured_faster_paths_on_cuda():
     off = _select(CUDA, "actor.use_torch_compile=false", "rollout.cuda_graphs=false")
     assert off.actor.log_probs == BlockLogProbs(compiled=False, chunk_elements=CHUNK_ELEMENTS["cuda"])
     assert off.decoder(model := object(), 64) is model
+    for python_layers in ("actor.router_replay=R3", "model.lora.rank=4"):  # no graph captures their Python
+        assert _select(CUDA, python_layers).decoder(model, 64) is model
 
 
 @pytest.mark.parametrize(

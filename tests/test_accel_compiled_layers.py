@@ -152,4 +152,6 @@ def test_which_models_compile():
     assert chosen() == {id(m) for m in models}
     assert chosen("model.enable_gradient_checkpointing=true") == {id(critic), id(reward_model)}
     assert chosen("critic.model.enable_gradient_checkpointing=true") == {id(actor), id(reference), id(reward_model)}
+    # layers that run in Python: the routers under router replay, Megatron's experts adapters
+    assert chosen("actor.router_replay=R2") == chosen("model.lora.rank=4") == {id(critic), id(reward_model)}
     assert chosen(distributed=True) == set() and chosen("model.compile_layers=null") == set()

@@ -117,6 +117,32 @@ def test_a_lora_run_saves_a_merged_actor_the_next_stage_loads(sft_run, tmp_path)
     assert main(["ppo", f"model.path={out}/actor", f"trainer.output_dir={tmp_path / 'next'}", *QUICK_PPO]) == 0
 
 
+def test_a_megatron_lora_run_saves_its_adapters_and_a_merged_actor(sft_run, tmp_path):
+    """``model.lora.rank``: Megatron's adapters go to actor_adapter (their tensors and settings),
+    the merged actor, a plain model of the SFT model's weights moved, to actor; the next stage loads it."""
+    from safetensors.torch import load_file
+
+    from refppo.rollout.models import load_causal_lm
+
+    out = tmp_path / "ppo_megatron_lora"
+    args = ["ppo", f"model.path={sft_run}/model", f"trainer.output_dir={out}", "model.lora.rank=4"]
+    assert main([*args, "model.lora.lora_A_init_method=kaiming", "actor.optim.lr=1e-2", *QUICK_PPO]) == 0
+    settings = json.loads((out / "actor_adapter" / "megatron_lora.json").read_text())
+    assert settings == {
+        "rank": 4,
+        "alpha": 32,
+        "init_a": "kaiming",
+        "init_b": "zero",
+        "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+    }
+    tensors = load_file(out / "actor_adapter" / "megatron_lora.safetensors")
+    assert any(name.endswith("self_attn.linear_qkv_lora.linear_in") for name in tensors)
+    merged, sft = load_causal_lm(out / "actor"), load_causal_lm(sft_run / "model")
+    assert merged.state_dict().keys() == sft.state_dict().keys()
+    assert any(not torch.equal(a, b) for a, b in zip(merged.state_dict().values(), sft.state_dict().values()))
+    assert main(["ppo", f"model.path={out}/actor", f"trainer.output_dir={tmp_path / 'next'}", *QUICK_PPO]) == 0
+
+
 def _saved_adapter(model_folder, folder, rank=4):
     """A LoRA adapter of ``model_folder``'s model with non-zero weights, saved as peft saves one."""
     from refppo.rollout.models import add_lora, load_causal_lm

@@ -302,6 +302,7 @@ def test_a_rank_that_raises_is_named(workdir):
             "the actor mini-batch of 3 rows",
         ),
         (["model.lora_rank=4"], "model.lora_rank is not available with FSDP2"),
+        (["model.lora.rank=4"], "model.lora.rank is not available with FSDP2"),
         (["model.use_fused_kernels=true"], "model.use_fused_kernels is not available with FSDP2"),
         (["rollout.cuda_graphs=true"], "rollout.cuda_graphs is not available with FSDP2"),
         (["model.compile_layers=true"], "model.compile_layers is not available with FSDP2"),

@@ -68,7 +68,7 @@ def select(config: Config, device: torch.device, distributed: bool = False) -> A
       CUDA) or ``model.use_fused_kernels`` is set; else :func:`refppo.rollout.forward.response_log_probs`;
     - micro-batches: of a token budget with ``actor.use_dynamic_bsz`` / ``critic.use_dynamic_bsz``;
     - decoding: :class:`~refppo.accel.decoding.StaticDecoder` with ``rollout.cuda_graphs`` (null:
-      on CUDA, but not under torchrun nor with ``actor.router_replay=R3``);
+      on CUDA, but not under torchrun nor with ``actor.router_replay=R3`` or ``model.lora.rank > 0``);
     - GAE: :func:`~refppo.accel.gae.packed_gae_advantage_return` on CUDA.
 
     Args:
@@ -99,9 +99,10 @@ def select(config: Config, device: torch.device, distributed: bool = False) -> A
 
 def _cuda_graphs(config: Config, device: torch.device, distributed: bool) -> bool:
     """Whether the rollout decodes with CUDA graphs: ``rollout.cuda_graphs`` (null: on CUDA), never
-    under torchrun (a captured graph could not keep sharded parameters) or while recording R3's
-    routing (a replayed graph runs no Python)."""
-    if distributed or config.actor.router_replay == "R3":
+    under torchrun (a captured graph could not keep sharded parameters), while recording R3's
+    routing (a replayed graph runs no Python) or with Megatron's LoRA (its experts' adapters run
+    transformers' eager experts loop, whose shapes follow the routing)."""
+    if distributed or config.actor.router_replay == "R3" or config.model.lora.rank > 0:
         return False
     return on_cuda(config.rollout.cuda_graphs, device)
 
@@ -130,12 +131,14 @@ def compiled_models(config: Config, actor, reference=None, critic=None, reward_m
     """The models whose decoder layers ``model.compile_layers`` compiles (null: on CUDA, but not
     under torchrun): every one given but those with activation checkpointing, whose layers
     torch.compile does not take (an explicit true with checkpointing is refused), and the actor and
-    reference when the actor replays its routing."""
+    reference when the actor replays its routing or trains Megatron's LoRA."""
     if distributed or not on_cuda(config.model.compile_layers, actor.device):
         return []
     models = [reward_model]
-    # the actor's routers record and replay in Python under actor.router_replay
-    if not config.model.enable_gradient_checkpointing and config.actor.router_replay == "disabled":
+    # the actor's routers record and replay in Python under actor.router_replay; Megatron's LoRA
+    # runs transformers' eager experts loop, whose shapes follow the routing
+    python_layers = config.actor.router_replay != "disabled" or config.model.lora.rank > 0
+    if not config.model.enable_gradient_checkpointing and not python_layers:
         models += [actor, reference]
     if not config.critic.model.enable_gradient_checkpointing:
         models.append(critic)

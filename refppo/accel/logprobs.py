@@ -25,7 +25,7 @@ from refppo.guards.checks import TEMPERATURES, check_number, check_tensors
 from refppo.guards.inputs import check_labels, check_log_probs, check_logits
 from refppo.rollout.device import trainable_forward
 from refppo.rollout.forward import model_inputs, response_logits
-from refppo.rollout.models import LoraDisabledReference, base_model
+from refppo.rollout.models import LoraDisabledReference, adapters_off, base_model
 
 # Elements (rows x vocab) of float32 scratch per block, by device: a CPU gains nothing from larger
 # blocks; on a GPU each block costs launches, so larger ones are faster (benchmarks/README.md).
@@ -402,7 +402,7 @@ def final_hidden_states(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         are ``hidden @ weight.T`` for the model types in ``FUSED_KERNEL_MODEL_TYPES``.
     """
     if isinstance(model, LoraDisabledReference):
-        with model.actor.disable_adapter():
+        with adapters_off(model.actor):
             return final_hidden_states(model.actor, **inputs)
     hidden = model.get_decoder()(**inputs).last_hidden_state
     return hidden, model.get_output_embeddings().weight

@@ -242,6 +242,7 @@ def check_world(config, world: World) -> None:
     for key, on in [
         ("model.lora_rank", c.model.lora_rank > 0),
         ("model.lora_adapter_path", c.model.lora_adapter_path is not None),
+        ("model.lora.rank", c.model.lora.rank > 0),
         ("model.use_fused_kernels", c.model.use_fused_kernels),
         ("rollout.cuda_graphs", c.rollout.cuda_graphs),
         ("model.compile_layers", c.model.compile_layers),

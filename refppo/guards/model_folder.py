@@ -142,14 +142,14 @@ def check_model_folder(
     return config
 
 
-def check_lora_rank(rank: int, spec: dict, path: str | os.PathLike) -> None:
-    """Refuse ``model.lora_rank`` above the hidden size in ``spec`` (``path``'s ``config.json``):
-    every linear layer LoRA adapts reads or writes the hidden state, so a higher rank adds
-    parameters (and memory) without adding rank."""
+def check_lora_rank(rank: int, spec: dict, path: str | os.PathLike, setting: str = "model.lora_rank") -> None:
+    """Refuse a LoRA rank (``setting``: PEFT's ``model.lora_rank``, Megatron's ``model.lora.rank``)
+    above the hidden size in ``spec`` (``path``'s ``config.json``): every linear layer LoRA adapts
+    reads or writes the hidden state, so a higher rank adds parameters (and memory) without adding rank."""
     hidden = spec.get("hidden_size")
     if isinstance(hidden, int) and rank > hidden:
         raise ValueError(
-            f"model.lora_rank={rank} is above the hidden size {hidden} of {os.fspath(path)}: an adapter of every "
+            f"{setting}={rank} is above the hidden size {hidden} of {os.fspath(path)}: an adapter of every "
             f"linear layer has rank at most {hidden}; make it at most {hidden}"
         )
 

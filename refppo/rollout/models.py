@@ -29,6 +29,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from refppo.guards.checks import check_choice
+from refppo.rollout.megatron_lora import adapters_disabled, has_megatron_lora
 
 TINY_ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
@@ -321,6 +322,13 @@ def load_lora_adapter(model: PreTrainedModel, path: str):
     return adapted
 
 
+def adapters_off(model):
+    """``with adapters_off(model):`` a LoRA model (PEFT's or Megatron's) runs as its base model."""
+    if has_megatron_lora(model):
+        return adapters_disabled(model)
+    return model.disable_adapter()
+
+
 class LoraDisabledReference:
     """The reference policy of a LoRA actor: the actor itself with its adapter switched off.
 
@@ -332,7 +340,7 @@ class LoraDisabledReference:
         self.actor = actor
 
     def __call__(self, *args, **kwargs):
-        with self.actor.disable_adapter():
+        with adapters_off(self.actor):
             return self.actor(*args, **kwargs)
 
     @property
@@ -344,14 +352,19 @@ def base_model(model):
     """The Hugging Face model under a LoRA adapter or an adapter-disabled reference (or the model)."""
     if isinstance(model, LoraDisabledReference):
         model = model.actor
-    return model.get_base_model() if is_lora(model) else model
+    return model.get_base_model() if is_peft(model) else model
 
 
-def is_lora(model) -> bool:
+def is_peft(model) -> bool:
     """True for a peft-wrapped model."""
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
+
+
+def is_lora(model) -> bool:
+    """True for a model under a LoRA adapter: PEFT's (``model.lora_rank``) or Megatron's (``model.lora.rank``)."""
+    return is_peft(model) or has_megatron_lora(model)
 
 
 def make_reference(actor, dtype: torch.dtype | None = None):

@@ -150,6 +150,7 @@ def checked_tokenizer(config: Config, command: str):
         check_remote_code(specs[key], key, path, trust_key, trusted, auto_class)
     if command == "ppo" and config.model.path is not None:
         check_lora_rank(config.model.lora_rank, specs["model.path"], config.model.path)
+        check_lora_rank(config.model.lora.rank, specs["model.path"], config.model.path, setting="model.lora.rank")
         if config.model.lora_adapter_path is not None:
             check_lora_adapter(config.model.lora_adapter_path, specs["model.path"], config.model.path)
     tokenizer = _tokenizer(config.model.path, "model.path", "model.trust_remote_code", config.model.trust_remote_code)
@@ -364,6 +365,7 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     """``refppo ppo``: the PPO (or GRPO, RLOO) loop from the SFT model (``model.path``), with the
     task's reward, ``reward_model.reward_fn`` or a trained reward model (``reward_model.enable``);
     ``make_run()`` as in :func:`run_sft`."""
+    from refppo.rollout.megatron_lora import has_megatron_lora, merge_megatron_lora, save_megatron_lora
     from refppo.rollout.models import freeze, is_lora, load_value_model
     from refppo.tasks.rules import require_rules
     from refppo.training.fit import fit
@@ -415,15 +417,19 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
     if run.resume is not None:
         trainer.load_checkpoint(run.resume.folder, run.resume.state)
     fit(trainer, run, config.trainer.progress_bar)
-    if is_lora(actor):  # the adapter, then the merged model the next stage loads as model.path
+    if has_megatron_lora(actor):  # the adapters, then the merged model the next stage loads as model.path
+        save_megatron_lora(actor, run.path / "actor_adapter")
+        actor = merge_megatron_lora(actor)
+    elif is_lora(actor):
         _save_model(actor, tokenizer, run.path / "actor_adapter", world)
         actor = actor.merge_and_unload()
     _save_model(actor, tokenizer, run.path / "actor", world)
 
 
 def _ppo_actor(config: Config, tokenizer, device: torch.device):
-    """The actor: ``model.path``, under a saved LoRA adapter (``model.lora_adapter_path``) or a
-    fresh one (``model.lora_rank > 0``)."""
+    """The actor: ``model.path``, under a saved LoRA adapter (``model.lora_adapter_path``), a
+    fresh one (``model.lora_rank > 0``) or Megatron's adapters (``model.lora.rank > 0``)."""
+    from refppo.rollout.megatron_lora import add_megatron_lora
     from refppo.rollout.models import add_lora, load_causal_lm, load_lora_adapter
 
     m = config.model
@@ -432,6 +438,15 @@ def _ppo_actor(config: Config, tokenizer, device: torch.device):
         return load_lora_adapter(actor, m.lora_adapter_path)
     if m.lora_rank > 0:
         return add_lora(actor, m.lora_rank, m.lora_alpha)
+    if m.lora.rank > 0:
+        return add_megatron_lora(
+            actor,
+            rank=m.lora.rank,
+            alpha=m.lora.alpha,
+            target_modules=m.lora.target_modules,
+            init_a=m.lora.lora_A_init_method,
+            init_b=m.lora.lora_B_init_method,
+        )
     return actor
 
 

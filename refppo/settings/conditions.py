@@ -128,6 +128,7 @@ EVALUATING = when(
 )
 VAL_SAMPLING = when(lambda s: s.owner.temperature > 0, "rollout.val_kwargs.temperature > 0 (0 decodes greedily)")
 LORA = when(lambda s: s.owner.lora_rank > 0, "model.lora_rank > 0")
+MEGATRON_LORA = when(lambda s: s.config.model.lora.rank > 0, "model.lora.rank > 0")
 NO_SAVED_ADAPTER = when(
     lambda s: s.command != "ppo" or s.config.model.lora_adapter_path is None,
     "model.lora_adapter_path=null (a saved adapter brings its own rank and scale)",

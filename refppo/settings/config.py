@@ -49,6 +49,7 @@ from refppo.settings.conditions import (
     KL_LOSS,
     LORA,
     LOSS_TAKES,
+    MEGATRON_LORA,
     MODEL_FOLDER,
     NO_ENTROPY_BONUS,
     NO_SAVED_ADAPTER,
@@ -94,6 +95,10 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 # verl 0.9's rollout cuts it whatever its data.truncation says (AgentLoopBase.apply_chat_template)
 RUN_TRUNCATIONS = ("error", "left")
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+# Megatron's names of the linear maps its LoRA adapts (refppo.rollout.megatron_lora), and
+# Megatron-Bridge's initialisations of an adapter's A and B
+MEGATRON_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MEGATRON_LORA_INITS = ("xavier", "kaiming", "normal", "zero")
 # verl's continuous-token builder families (verl/utils/tokenizer/continuous_token_wiring.py); "auto"
 # picks one from the model's name
 CONTINUOUS_TOKEN_FAMILIES = (
@@ -177,6 +182,20 @@ class DataConfig:
 
 
 @dataclass
+class MegatronLoraConfig:
+    """``model.lora.*`` (verl's ``actor_rollout_ref.model.lora.*``, its Megatron engine's LoRA):
+    Megatron-Bridge's adapters on the actor, one per fused linear map of Megatron-Core (q, k and v
+    together, gate and up together, all of a layer's experts together;
+    :mod:`refppo.rollout.megatron_lora`); the reference is the adapter-disabled actor."""
+
+    rank: int = setting(0, NONNEG)  # > 0 trains the adapters
+    alpha: int = setting(32, POSITIVE, needs=MEGATRON_LORA)  # each adapter's output is alpha / rank x B A x
+    target_modules: tuple[str, ...] = setting(MEGATRON_LORA_TARGETS, MEGATRON_LORA_TARGETS, needs=MEGATRON_LORA)
+    lora_A_init_method: str = setting("xavier", MEGATRON_LORA_INITS, needs=MEGATRON_LORA)
+    lora_B_init_method: str = setting("zero", MEGATRON_LORA_INITS, needs=MEGATRON_LORA)
+
+
+@dataclass
 class ModelConfig:
     """``model.*`` (verl's ``actor_rollout_ref.model.*``): the actor's and reference's checkpoint,
     or the shape of a fresh tiny model, and LoRA."""
@@ -196,6 +215,8 @@ class ModelConfig:
     # a saved peft LoRA adapter of model.path to start from (its rank and scale are its own); the
     # reference is still the adapter-disabled actor, model.path itself (verl's ref_in_actor)
     lora_adapter_path: str | None = setting(None, commands=("ppo",))
+    # Megatron's LoRA instead of PEFT's (verl's Megatron engine reads these, its FSDP engine lora_rank)
+    lora: MegatronLoraConfig = section(MegatronLoraConfig, commands=("ppo",))
     # SFT's and PPO's log-probs from the final hidden states, the LM head fused into the log-softmax
     # a block at a time: no (rows, response, vocab) logits (verl's name; memory for big vocabularies).
     use_fused_kernels: bool = setting(

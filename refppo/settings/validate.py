@@ -299,10 +299,28 @@ def _check_router_replay(config: Config) -> None:
         _require(not config.rollout.cuda_graphs, "actor.router_replay=R3 needs rollout.cuda_graphs off (or null)")
 
 
+def _check_megatron_lora(config: Config) -> None:
+    """What Megatron's LoRA (``model.lora.rank > 0``) needs: no PEFT LoRA beside it (the actor
+    trains one), and layers that run in Python (its experts' adapters run transformers' eager
+    experts loop, whose shapes follow the routing): no compiled layers, no CUDA-graph decoding."""
+    m = config.model
+    if m.lora.rank == 0:
+        return
+    _require(
+        m.lora_rank == 0 and m.lora_adapter_path is None,
+        f"model.lora.rank={m.lora.rank} (Megatron's LoRA) with PEFT's (model.lora_rank={m.lora_rank}, "
+        f"model.lora_adapter_path={m.lora_adapter_path}): the actor trains one LoRA; set model.lora.rank=0 or drop "
+        "PEFT's",
+    )
+    _require(not m.compile_layers, f"model.lora.rank={m.lora.rank} needs model.compile_layers off (or null)")
+    _require(not config.rollout.cuda_graphs, f"model.lora.rank={m.lora.rank} needs rollout.cuda_graphs off (or null)")
+
+
 def _check_combinations(config: Config) -> None:
     """Settings each valid alone that cannot work together."""
     _check_tiny_model(config.model)
     _check_router_replay(config)
+    _check_megatron_lora(config)
     _check_task_size(config.data)
     _check_dapo_and_validation(config)
     _check_policy_loss(config.actor)
@@ -326,12 +344,7 @@ def _check_combinations(config: Config) -> None:
         not (r.cuda_graphs and t.device == "cpu"),
         "rollout.cuda_graphs=true needs a CUDA device, not trainer.device=cpu",
     )
-    checkpointed = [f"{k}=true" for k, on in _checkpointing_settings(config).items() if on]
-    _require(
-        not (config.model.compile_layers and checkpointed),
-        f"model.compile_layers=true cannot compile the layers that {' and '.join(checkpointed)} checkpoints "
-        "(torch.compile does not take transformers' checkpointed layers): set one of them off",
-    )
+    _check_compiled_layers(config)
     _require(
         alg.adv_estimator not in ("gae", "reinforce_plus_plus") or d.train_batch_size * r.n >= 2,
         f"algorithm.adv_estimator={alg.adv_estimator} whitens the advantages over the batch's response tokens, and a "
@@ -360,6 +373,16 @@ def _check_combinations(config: Config) -> None:
         not (rm.reward_fn and rm.custom_reward_function.path),
         "reward_model.reward_fn and reward_model.custom_reward_function.path (verl's "
         "reward.custom_reward_function.path) both give the training score: give one",
+    )
+
+
+def _check_compiled_layers(config: Config) -> None:
+    """torch.compile does not take transformers' checkpointed layers."""
+    checkpointed = [f"{k}=true" for k, on in _checkpointing_settings(config).items() if on]
+    _require(
+        not (config.model.compile_layers and checkpointed),
+        f"model.compile_layers=true cannot compile the layers that {' and '.join(checkpointed)} checkpoints "
+        "(torch.compile does not take transformers' checkpointed layers): set one of them off",
     )
 
 

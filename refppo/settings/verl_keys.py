@@ -183,6 +183,11 @@ UNREAD_BY_VERL = {
     "data.return_multi_modal_inputs": "read only with image, video or audio inputs",
     "trainer.v1.sampler.sampler_kwargs": "read only with trainer.v1.sampler.custom_sampler",
     "critic.model.lora_alpha": "read only with a LoRA critic (critic.model.lora_rank > 0)",
+    # Megatron-Bridge's create_peft passes only the fields of the adapter type's class
+    **{
+        f"actor_rollout_ref.model.lora.{k}": "read only by Megatron-Bridge's VLM LoRA (model.lora.type=vlm_lora)"
+        for k in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model")
+    },
     # verl's main_ppo loads the tokenizer with the actor's model (_init_tokenizer in
     # verl/trainer/ppo/v1/trainer_base.py); only its experimental trainers read data's
     "data.trust_remote_code": "the tokenizer is loaded with actor_rollout_ref.model.trust_remote_code "
@@ -304,7 +309,6 @@ NOT_IMPLEMENTED = {
     "reward.sandbox_fusion.url": "rewards from running code in a sandbox",
     "sandbox_fusion.url": "rewards from running code in a sandbox",
     **{f"skip.{part}.enable": "replaying saved rollouts" for part in ("rollout", "async_rollout", "rollout_tq")},
-    "actor_rollout_ref.model.lora.": "Megatron's LoRA (refppo's LoRA is PEFT's: model.lora_rank, model.lora_alpha)",
     # verl's build_optimizer (verl/workers/config/optimizer.py) passes these to the optimizer
     **{
         f"{opt}.override_optimizer_config{k}": "keyword arguments to the optimizer beyond lr, betas and weight_decay"
@@ -424,6 +428,7 @@ ENGINE = (
     "reward_model.num_workers",
     "reward_model.rollout.", "trainer.rollout_data_dir", "trainer.validation_data_dir",
     "actor_rollout_ref.rollout.dtype", "reward.reward_model.rollout.", "actor_rollout_ref.model.lora.merge",
+    "actor_rollout_ref.model.lora.a2a_experimental",  # expert-parallel communication of the adapters
     "global_profiler.", "ray_kwargs.", "transfer_queue.",
     # fields of verl's config dataclasses that its YAML lacks: vLLM's sleep mode and image limit,
     # TRT-LLM's server, the weight sync's class, the critic's token budget (which the V1 trainer
@@ -460,6 +465,14 @@ MISSING = {
         for opt, short in (("actor_rollout_ref.actor.optim", "actor"), ("critic.optim", "critic"))
     },
     "actor_rollout_ref.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
+    "actor_rollout_ref.model.lora.type": ("lora", "Megatron-Bridge's other adapters (canonical_lora, vlm_lora, dora)"),
+    "actor_rollout_ref.model.lora.dropout": ("0.0", "LoRA dropout (refppo's models run without dropout)"),
+    "actor_rollout_ref.model.lora.exclude_modules": (
+        "[]",
+        "Megatron's LoRA on all linear maps but some (model.lora.target_modules names those it adapts)",
+    ),
+    "actor_rollout_ref.model.lora.dtype": ("null", "LoRA weights in another dtype than the model's"),
+    "actor_rollout_ref.model.lora.adapter_path": ("null", "starting from a saved Megatron LoRA adapter"),
     "critic.model.target_modules": ("all-linear", "LoRA on some of the linear layers"),
     **{
         f"{opt}.{k}": (off, what)
@@ -555,11 +568,14 @@ ENGINE_GROUPS = {
     "Megatron's optimizer, trained by Megatron Lite's engine",
 }
 
-# verl 0.9's two trainers (main_ppo's trainer.use_v1): they compute a default line's step alike
-# but where appendix B.6 lists; refppo's step is one of them in each of those places.
-TRAINERS = {
+# Keys noted whatever their value, each with its own note: verl 0.9's two trainers (main_ppo's
+# trainer.use_v1), which compute a default line's step alike but where appendix B.6 lists (refppo's
+# step is one of them in each of those places), and where Megatron's LoRA drops out.
+OWN_NOTES = {
     "trainer.use_v1": "verl 0.9's V1 trainer (true, its default) and its RayPPOTrainer (false) compute a step alike "
     "but for a few readings; refppo follows one of them in each (appendix B.6 lists them)",
+    "actor_rollout_ref.model.lora.dropout_position": "where Megatron's adapters drop out, which changes nothing "
+    "without LoRA dropout (model.lora.dropout > 0, which refppo refuses)",
 }
 
 # verl's main_ppo runs on the accelerator it detects, whatever trainer.device names
@@ -585,10 +601,16 @@ MODEL_ENGINES = {
 TORCHTITAN = "TorchTitan's learning-rate schedule (a linear decay over the run by default, optim.decay_type)"
 # VeOmni's scheduler warms up for lr_warmup_steps_ratio of the run (verl's VeOmni engine passes only that)
 VEOMNI_UNREAD = ("actor_rollout_ref.actor.optim.lr_warmup_steps", "critic.optim.lr_warmup_steps")
-# Megatron's optimizer (megatron.core.optimizer's parameter groups, which verl builds without a
-# no_weight_decay_cond) takes no weight decay on biases and other 1-D parameters (norms' weights):
-# on such a line, refppo's optim.decay_1d_params=false (verl's FSDP optimizer decays every parameter)
-ENGINES_SPARING_1D = ("megatron", "mindspeed")
+# verl's engines built on Megatron-Core (MindSpeed's subclasses Megatron's). Megatron's optimizer
+# (megatron.core.optimizer's parameter groups, which verl builds without a no_weight_decay_cond)
+# takes no weight decay on biases and other 1-D parameters (norms' weights): on such a line,
+# refppo's optim.decay_1d_params=false (verl's FSDP optimizer decays every parameter). Their LoRA is
+# Megatron-Bridge's, model.lora.* (get_peft_cls in verl/workers/config/megatron_peft.py); the other
+# engines' is PEFT's, model.lora_rank and model.lora_alpha.
+MEGATRON_ENGINES = ("megatron", "mindspeed")
+# verl's keys of the two LoRAs: Megatron's adapter rank, and PEFT's settings
+MEGATRON_LORA_RANK = "actor_rollout_ref.model.lora.rank"
+PEFT_LORA = ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha")
 # Every engine but FSDP's takes the critic's data_loader_seed from the actor's unless given
 # (critic/<engine>_critic.yaml: ${oc.select:actor_rollout_ref.actor.data_loader_seed,null}).
 CRITIC_SEED_FROM_ACTOR = ("megatron", "mindspeed", "veomni", "torchtitan")

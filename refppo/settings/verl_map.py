@@ -224,10 +224,11 @@ ENGINE_DEFAULTS_TAKEN = {
 
 def _printed_engine(config: Config, read: list[str]) -> str | None:
     """The verl engine a printed line picks: Megatron's where the optimizers are Megatron's
-    (:func:`_megatron_optimizers`); VeOmni's where the actor replays its routing and VeOmni's
-    optimizers run the settings (every parameter decayed, a warm-up by ratio alone, a cosine down to
-    0); None (FSDP's) otherwise; ``read``: the settings the run reads."""
-    if _megatron_optimizers(config, read):
+    (:func:`_megatron_optimizers`) or the actor trains Megatron's LoRA (``model.lora.rank > 0``,
+    which only verl's Megatron engines read); VeOmni's where the actor replays its routing and
+    VeOmni's optimizers run the settings (every parameter decayed, a warm-up by ratio alone, a
+    cosine down to 0); None (FSDP's) otherwise; ``read``: the settings the run reads."""
+    if _megatron_optimizers(config, read) or config.model.lora.rank > 0:
         return "megatron"
     if config.actor.router_replay == "disabled":
         return None
@@ -245,6 +246,8 @@ def _engine_items(key: str, value, engine: str | None) -> tuple[list[str], list[
     """How a printed line gives a setting its ``engine`` decides (:func:`_printed_engine`): (verl
     settings, comments), or None for a setting printed as any other."""
     if key.endswith(".optim.decay_1d_params"):
+        if value and engine == "megatron":
+            return [], [f"{key}=true: verl's Megatron engine spares 1-D parameters the weight decay"]
         if value or engine == "megatron":  # true: verl's FSDP and VeOmni optimizers
             return [], []
         return [], [f"{key}=false: verl's Megatron engine spares 1-D parameters for every model it trains"]

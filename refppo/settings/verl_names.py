@@ -35,15 +35,18 @@ from refppo.settings.verl_keys import (
     DICTS,
     ENGINE,
     ENGINE_GROUPS,
-    ENGINES_SPARING_1D,
     FULL,
     KEY_VALUES,
+    MEGATRON_ENGINES,
+    MEGATRON_LORA_RANK,
     MISSING,
     MISSING_CHOICES,
     MODEL_ENGINES,
     NAMES,
     NOT_IMPLEMENTED,
     OFF,
+    OWN_NOTES,
+    PEFT_LORA,
     REMOVE_PADDING,
     RENAMED,
     ROLLOUT_LENGTHS,
@@ -52,7 +55,6 @@ from refppo.settings.verl_keys import (
     SECTIONS,
     SEQUENCE_PARALLEL,
     TORCHTITAN,
-    TRAINERS,
     UNREAD_BY_VERL,
     VALUES,
     VEOMNI_UNREAD,
@@ -246,6 +248,8 @@ def _line_check(
         return functools.partial(_router_replay, key, full, text, line)
     if sep and full == ROLLOUT_ROUTES:
         return functools.partial(_rollout_routes, key, text, line)
+    if sep and key.startswith(FULL) and full in (MEGATRON_LORA_RANK, *PEFT_LORA):
+        return functools.partial(_lora_of_the_engine, key, full, text, line)
     return None
 
 
@@ -302,6 +306,33 @@ def _router_replay(key: str, full: str, text: str, line: list[str], translated: 
     translated.append(f"actor.router_replay={mode}")
 
 
+def _lora_of_the_engine(key: str, full: str, text: str, line: list[str], translated: list[str], notes: list[str]):
+    """verl's two LoRAs on a verl command ``line``: the engines built on Megatron-Core train
+    Megatron-Bridge's (``model.lora.*``) and leave PEFT's settings unread, the others train PEFT's
+    (``model.lora_rank``) and leave Megatron's unread (:data:`MEGATRON_ENGINES`); the setting the
+    actor's strategy reads goes to ``translated``, a note for one it leaves unread to ``notes``.
+
+    Raises:
+        ValueError: ``model.lora.rank > 0`` under another engine, whose rollout server would then
+            expect an adapter its actor does not train.
+    """
+    strategy = _actor_strategy(line)
+    megatron = strategy in MEGATRON_ENGINES
+    if full in PEFT_LORA and megatron:
+        notes.append(
+            f"{key}={text} is not read: verl's {strategy} actor trains Megatron's LoRA, "
+            "actor_rollout_ref.model.lora.* (verl leaves it unread too)"
+        )
+        return
+    if full == MEGATRON_LORA_RANK and not megatron and not _same_value(_plain(text), "0"):
+        raise ValueError(
+            f"{key}={text} with the actor's strategy {strategy}: verl trains Megatron's LoRA (model.lora.*) only "
+            f"in its engines built on Megatron-Core ({', '.join(MEGATRON_ENGINES)}); its {strategy} actor trains "
+            "PEFT's, actor_rollout_ref.model.lora_rank"
+        )
+    translated.append(f"{refppo_key(key)}={text}")
+
+
 def _rollout_routes(key: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
     """verl's ``rollout.enable_rollout_routing_replay``: its rollout returns each token's routing,
     which R3 replays (:func:`_router_replay` checks the two agree); a note to ``notes``."""
@@ -339,7 +370,7 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
     differ from FSDP's (:data:`MODEL_ENGINES`) are added to ``translated`` where the verl command
     ``line`` leaves them, its critic takes the actor's ``data_loader_seed`` unless given
     (:data:`CRITIC_SEED_FROM_ACTOR`), Megatron's optimizers spare 1-D parameters the weight decay
-    (:data:`ENGINES_SPARING_1D`), and VeOmni's unread warm-up length is dropped; a note for each
+    (:data:`MEGATRON_ENGINES`), and VeOmni's unread warm-up length is dropped; a note for each
     goes to ``notes``.
 
     Raises:
@@ -362,7 +393,7 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
     if engine in CRITIC_SEED_FROM_ACTOR and seed is not None and "critic.data_loader_seed" not in given:
         translated.append(f"critic.data_loader_seed={seed}")
         notes.append(f"{key}={text}: critic.data_loader_seed={seed}, the actor's, as verl's {engine} critic takes it")
-    if engine in ENGINES_SPARING_1D:
+    if engine in MEGATRON_ENGINES:
         for role in ("actor", "critic") if has_critic else ("actor",):
             translated.append(f"{role}.optim.decay_1d_params=false")
             notes.append(
@@ -470,8 +501,8 @@ def translate(overrides: list[str]) -> tuple[list[str], list[str]]:
         if check is not None:
             line_checks.append(check)
             continue
-        if sep and full in TRAINERS:
-            notes.append(f"{key}={text}: {TRAINERS[full]}")
+        if sep and full in OWN_NOTES:
+            notes.append(f"{key}={text}: {OWN_NOTES[full]}")
             continue
         unread = unread_reason(full) if sep else None
         if unread is not None:
@@ -616,7 +647,7 @@ def is_verl_line(overrides: list[str]) -> bool:
     ``actor_rollout_ref.actor.optim.lr``, ``trainer.default_local_dir``, a setting of verl's engine
     or one refppo lacks): a verl command line."""
     keys = [item.partition("=")[0].strip().lstrip("+") for item in overrides]
-    verl_only = {*NAMES, *KEY_VALUES, *MISSING, *TRAINERS, "model_engine"}
+    verl_only = {*NAMES, *KEY_VALUES, *MISSING, *OWN_NOTES, "model_engine"}
     return any(key.startswith(FULL) or key in verl_only or _is_engine(full_path(key)) for key in keys)
 
 

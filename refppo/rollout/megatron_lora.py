@@ -1,0 +1,368 @@
+"""Megatron-Bridge's LoRA on a Hugging Face model (verl's ``model.lora.*``, its Megatron engine's).
+
+Megatron-Core fuses some of a decoder layer's linear maps: the query, key and value projections
+into ``linear_qkv``, an MLP's gate and up projections into ``linear_fc1``, and a mixture-of-experts
+layer keeps all its experts' weights in one grouped linear per projection. Megatron-Bridge's LoRA
+(``megatron.bridge.peft.lora.LoRA``, verl's ``model.lora.type=lora``) puts one adapter on each
+such linear: one A (rank x in) and one B (out x rank) for q, k and v together, so the three
+projections share A and each takes its rows of B; one for the gate and up projections together;
+and one for all the experts of a layer's ``linear_fc1`` and one for their ``linear_fc2``, every
+expert adding the same low-rank map. Hugging Face keeps these maps apart, and PEFT's LoRA
+(``model.lora_rank``, verl's FSDP engine's) gives each its own A and B: at the same rank that
+trains other parameters, and more of them.
+
+:func:`add_megatron_lora` gives a Hugging Face model Megatron's adapters in place: a forward hook
+adds each projection's rows of its adapter's output, and each experts module runs a forward with
+the adapters' output added inside every expert. Only the adapters train; :func:`adapters_disabled`
+turns them off (the reference policy), :func:`merge_megatron_lora` folds them into the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import types
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from refppo.settings.config import MEGATRON_LORA_INITS, MEGATRON_LORA_TARGETS
+
+# Hugging Face's separate projections under each of Megatron's fused maps, in row order
+ATTENTION_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
+MLP_PARTS = {"linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+SHARED_EXPERTS = ("shared_expert", "shared_experts")
+ADAPTER_FILE = "megatron_lora.safetensors"
+CONFIG_FILE = "megatron_lora.json"
+
+
+def _check_init_method(method: str) -> None:
+    if method not in MEGATRON_LORA_INITS:
+        raise ValueError(f"model.lora init method {method!r}: Megatron-Bridge's are {', '.join(MEGATRON_LORA_INITS)}")
+
+
+def init_adapter_weight(weight: torch.Tensor, method: str) -> None:
+    """Initialise one of an adapter's matrices in place as Megatron-Bridge does: ``xavier`` a
+    Xavier normal, ``kaiming`` a Kaiming uniform with a = sqrt(5) (bound 1 / sqrt(fan in)),
+    ``normal`` N(0, 0.2^2), ``zero`` zeros.
+
+    Args:
+        weight: (out, in) the matrix.
+        method: one of :data:`MEGATRON_LORA_INITS`.
+    """
+    _check_init_method(method)
+    if method == "xavier":
+        torch.nn.init.xavier_normal_(weight)
+    elif method == "kaiming":
+        torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    elif method == "normal":
+        torch.nn.init.normal_(weight, mean=0.0, std=0.2)
+    else:
+        torch.nn.init.zeros_(weight)
+
+
+class FusedAdapter(torch.nn.Module):
+    """One Megatron LoRA adapter over a fused linear map: A (``linear_in``, rank x in) and B
+    (``linear_out``, out x rank); its output on x is alpha / rank x B A x, of which each Hugging
+    Face projection under the fused map takes its rows.
+
+    Args:
+        in_features, out_features: the fused map's sizes (out: its projections' together).
+        rank, alpha: the adapter's rank and scale numerator.
+        init_a, init_b: :data:`MEGATRON_LORA_INITS` for A and B.
+        like: a weight of the adapted model, whose dtype and device the adapter takes.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, rank: int, alpha: float, init_a: str, init_b: str, like: torch.Tensor
+    ):
+        super().__init__()
+        self.linear_in = torch.nn.Parameter(torch.empty(rank, in_features, dtype=like.dtype, device=like.device))
+        self.linear_out = torch.nn.Parameter(torch.empty(out_features, rank, dtype=like.dtype, device=like.device))
+        init_adapter_weight(self.linear_in.data, init_a)
+        init_adapter_weight(self.linear_out.data, init_b)
+        self.scale = alpha / rank
+        self.active = True
+        self.hooks = []
+
+    def forward(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """alpha / rank x B[rows] A x.
+
+        Args:
+            x: (..., in) inputs.
+            rows: the rows of B (the projection's part of the fused output).
+
+        Returns:
+            (..., rows) the adapter's output.
+        """
+        return self.scale * F.linear(F.linear(x, self.linear_in), self.linear_out[rows])
+
+    def delta(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The adapter as a weight update: alpha / rank x B[rows] A, (rows, in)."""
+        return self.scale * (self.linear_out[rows] @ self.linear_in)
+
+
+def _add_rows(adapter: FusedAdapter, rows: slice, module, inputs, output):
+    """Forward hook of an adapted projection: its output plus its rows of the adapter's."""
+    if not adapter.active:
+        return None
+    return output + adapter(inputs[0], rows)
+
+
+def _adapt_linears(parent, name: str, parts: tuple[str, ...], settings: dict, like: torch.Tensor) -> None:
+    """One adapter, registered on ``parent`` as ``<name>_lora``, over the Linear projections
+    ``parts`` of ``parent`` (their outputs stacked in that order, as Megatron fuses them)."""
+    linears = [getattr(parent, part) for part in parts]
+    in_features = linears[0].in_features
+    adapter = FusedAdapter(in_features, sum(linear.out_features for linear in linears), like=like, **settings)
+    parent.register_module(f"{name}_lora", adapter)
+    start = 0
+    for linear in linears:
+        rows = slice(start, start + linear.out_features)
+        adapter.hooks.append(linear.register_forward_hook(functools.partial(_add_rows, adapter, rows)))
+        start = rows.stop
+
+
+def _experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """transformers' eager experts forward (``Qwen3MoeExperts.forward``) with Megatron's adapters
+    of the layer's experts: ``linear_fc1_lora``'s output added to every expert's gate and up
+    projections, ``linear_fc2_lora``'s to its down projection, before the routing weight.
+
+    Args:
+        experts: a Hugging Face experts module (3-D ``gate_up_proj`` and ``down_proj``).
+        hidden_states: (N, H) tokens.
+        top_k_index, top_k_weights: (N, k) each token's experts and their weights.
+
+    Returns:
+        (N, H) the experts' weighted sum.
+    """
+    fc1 = getattr(experts, "linear_fc1_lora", None)
+    fc2 = getattr(experts, "linear_fc2_lora", None)
+    fc1_output = fc1(hidden_states) if fc1 is not None and fc1.active else None  # the same for every expert
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert in hit[:, 0].tolist():
+        if expert == experts.num_experts:
+            continue
+        slot, token = torch.where(mask[expert])
+        gate_up = F.linear(hidden_states[token], experts.gate_up_proj[expert])
+        if fc1_output is not None:
+            gate_up = gate_up + fc1_output[token]
+        inner = experts._apply_gate(gate_up)  # act(gate) x up, or the class's own gating
+        out = F.linear(inner, experts.down_proj[expert])
+        if fc2 is not None and fc2.active:
+            out = out + fc2(inner)
+        out = out * top_k_weights[token, slot, None]
+        final.index_add_(0, token, out.to(final.dtype))
+    return final
+
+
+def _is_experts(module) -> bool:
+    """A Hugging Face experts module of the form :func:`_experts_forward` runs: 3-D ``gate_up_proj``
+    (E, 2I, H), the gate's rows above the up projection's, and ``down_proj`` (E, H, I); no biases,
+    no norm after each expert (transformers' ``use_experts_implementation`` flags)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)):
+        return False
+    flags = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}
+    flags["has_post_expert_norm"] = False
+    if any(getattr(module, name, None) is not value for name, value in flags.items()):
+        return False
+    return gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2]
+
+
+def _adapt_experts(experts, name: str, settings: dict) -> None:
+    """Megatron's adapter ``name`` (linear_fc1 or linear_fc2) of a layer's experts: one for the
+    grouped linear, shared by every expert; the experts then run :func:`_experts_forward`."""
+    two_inner = experts.gate_up_proj.shape[1]
+    hidden = experts.gate_up_proj.shape[2]
+    if name == "linear_fc1":
+        adapter = FusedAdapter(hidden, two_inner, like=experts.gate_up_proj, **settings)
+    else:
+        adapter = FusedAdapter(two_inner // 2, hidden, like=experts.down_proj, **settings)
+    experts.register_module(f"{name}_lora", adapter)
+    experts.forward = types.MethodType(_experts_forward, experts)
+
+
+def _has(module, parts: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, part, None), torch.nn.Linear) for part in parts)
+
+
+def _attention_plan(attention, targets: tuple[str, ...], where: str) -> list[tuple]:
+    """(module, Megatron's name, its Hugging Face projections) of an attention's adapters."""
+    wanted = [(name, parts) for name, parts in ATTENTION_PARTS.items() if name in targets]
+    if wanted and not _has(attention, ATTENTION_PARTS["linear_qkv"] + ATTENTION_PARTS["linear_proj"]):
+        raise ValueError(
+            f"model.lora.target_modules: {where} has no q_proj, k_proj, v_proj and o_proj Linear layers (Megatron's "
+            "linear_qkv and linear_proj): leave those two out of model.lora.target_modules"
+        )
+    return [(attention, name, parts) for name, parts in wanted]
+
+
+def _mlp_plan(mlp, targets: tuple[str, ...], where: str) -> list[tuple]:
+    """(module, Megatron's name, its Hugging Face projections, or None for an experts module) of a
+    dense MLP's adapters (gate, up, down), or of a mixture-of-experts block's experts and shared expert."""
+    wanted = [(name, parts) for name, parts in MLP_PARTS.items() if name in targets]
+    if not wanted or _has(mlp, MLP_PARTS["linear_fc1"] + MLP_PARTS["linear_fc2"]):
+        return [(mlp, name, parts) for name, parts in wanted]
+    experts = getattr(mlp, "experts", None)
+    if experts is None or not _is_experts(experts):
+        raise ValueError(
+            f"model.lora.target_modules: {where} is {type(mlp).__name__}, neither a gated MLP (gate_proj, up_proj, "
+            "down_proj) nor a mixture-of-experts block whose experts refppo adapts as Megatron's linear_fc1 and "
+            "linear_fc2: leave those two out of model.lora.target_modules"
+        )
+    plan = [(experts, name, None) for name, _ in wanted]
+    for shared in SHARED_EXPERTS:
+        if getattr(mlp, shared, None) is not None:
+            plan += _mlp_plan(getattr(mlp, shared), targets, f"{where}.{shared}")
+    return plan
+
+
+def decoder_layers_of(model) -> list[torch.nn.Module]:
+    """The decoder layers of a Hugging Face causal LM (``model.model.layers``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"model.lora.rank > 0: {type(model).__name__} has no decoder layers at .model.layers")
+    return list(layers)
+
+
+def add_megatron_lora(
+    model,
+    rank: int,
+    alpha: float,
+    target_modules: tuple[str, ...] = MEGATRON_LORA_TARGETS,
+    init_a: str = "xavier",
+    init_b: str = "zero",
+):
+    """Give a causal LM Megatron-Bridge's LoRA adapters, in place; only the adapters train.
+
+    Args:
+        model: a Hugging Face causal LM whose decoder layers have ``self_attn`` (q_proj, k_proj,
+            v_proj, o_proj) and ``mlp`` (gate_proj, up_proj, down_proj, or experts with a 3-D
+            gate_up_proj and down_proj, and an optional shared expert).
+        rank, alpha: each adapter's rank and scale numerator (its output is alpha / rank x B A x).
+        target_modules: Megatron's names of the maps to adapt, of :data:`MEGATRON_LORA_TARGETS`.
+        init_a, init_b: :data:`MEGATRON_LORA_INITS` for every A and every B (with B zero the adapted
+            model starts as the model).
+
+    Returns:
+        ``model``, adapted.
+
+    Raises:
+        ValueError: a target outside :data:`MEGATRON_LORA_TARGETS`, or a layer without the
+            projections a target names (before any change to the model).
+    """
+    unknown = [t for t in target_modules if t not in MEGATRON_LORA_TARGETS]
+    if unknown or not target_modules:
+        raise ValueError(
+            f"model.lora.target_modules={list(target_modules)}: refppo adapts {', '.join(MEGATRON_LORA_TARGETS)}"
+        )
+    if rank < 1:
+        raise ValueError(f"model.lora.rank={rank}: an adapter has rank >= 1")
+    for method in (init_a, init_b):
+        _check_init_method(method)
+    plan = []
+    for i, layer in enumerate(decoder_layers_of(model)):
+        plan += _attention_plan(getattr(layer, "self_attn", None), target_modules, f"layer {i}'s attention")
+        plan += _mlp_plan(getattr(layer, "mlp", None), target_modules, f"layer {i}'s mlp")
+    settings = {"rank": rank, "alpha": alpha, "init_a": init_a, "init_b": init_b}
+    like = next(model.parameters())
+    model.requires_grad_(False)
+    for module, name, parts in plan:
+        if parts is None:
+            _adapt_experts(module, name, settings)
+        else:
+            _adapt_linears(module, name, parts, settings, like)
+    model.megatron_lora = dict(settings, target_modules=list(target_modules))
+    return model
+
+
+def adapters(model) -> list[FusedAdapter]:
+    """Every Megatron LoRA adapter of ``model`` (none for any other model)."""
+    return [module for module in model.modules() if isinstance(module, FusedAdapter)]
+
+
+def has_megatron_lora(model) -> bool:
+    """True for a model :func:`add_megatron_lora` adapted."""
+    return isinstance(model, torch.nn.Module) and hasattr(model, "megatron_lora")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model) -> Iterator[None]:
+    """``with adapters_disabled(model):`` the model runs without its adapters (the reference policy)."""
+    changed = adapters(model)
+    for adapter in changed:
+        adapter.active = False
+    try:
+        yield
+    finally:
+        for adapter in changed:
+            adapter.active = True
+
+
+@torch.no_grad()
+def merge_megatron_lora(model):
+    """Fold every adapter into the weights it adapts and remove it, in place: a projection's weight
+    gains its rows of alpha / rank x B A, every expert's weights the whole of it.
+
+    Args:
+        model: a model :func:`add_megatron_lora` adapted.
+
+    Returns:
+        ``model``, a plain Hugging Face model of the same outputs.
+    """
+    for parent in list(model.modules()):
+        for name in [n for n, child in parent.named_children() if isinstance(child, FusedAdapter)]:
+            adapter = getattr(parent, name)
+            if _is_experts(parent):
+                weight = parent.gate_up_proj if name == "linear_fc1_lora" else parent.down_proj
+                weight += adapter.delta().to(weight.dtype)
+            else:
+                _merge_linears(parent, name.removesuffix("_lora"), adapter)
+            delattr(parent, name)
+        if _is_experts(parent) and "forward" in vars(parent):
+            del parent.forward
+    del model.megatron_lora
+    return model
+
+
+def _merge_linears(parent, name: str, adapter: FusedAdapter) -> None:
+    """Add each projection's rows of ``adapter`` to its weight and remove its hook."""
+    parts = ATTENTION_PARTS.get(name) or MLP_PARTS[name]
+    start = 0
+    for part in parts:
+        linear = getattr(parent, part)
+        rows = slice(start, start + linear.out_features)
+        linear.weight += adapter.delta(rows).to(linear.weight.dtype)
+        start = rows.stop
+    for hook in adapter.hooks:
+        hook.remove()
+
+
+def save_megatron_lora(model, folder: str | os.PathLike) -> None:
+    """Write the adapters (``megatron_lora.safetensors``, named as in the model) and their settings
+    (``megatron_lora.json``) to ``folder``.
+
+    Args:
+        model: a model :func:`add_megatron_lora` adapted.
+        folder: created if missing.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors = {
+        name: parameter.detach().contiguous().cpu()
+        for name, parameter in model.named_parameters()
+        if name.endswith(("_lora.linear_in", "_lora.linear_out"))
+    }
+    save_file(tensors, os.path.join(folder, ADAPTER_FILE))
+    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+        json.dump(model.megatron_lora, f, indent=2)
