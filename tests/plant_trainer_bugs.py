@@ -292,7 +292,7 @@ BUGS += [  # log-probs in blocks, compiled or from the hidden states
     (
         "accel/logprobs.py",
         "fused: the reference keeps its adapter",
-        "with model.actor.disable_adapter():\n            return final_hidden_states",
+        "with adapters_off(model.actor):\n            return final_hidden_states",
         "if True:\n            return final_hidden_states",
     ),
     (

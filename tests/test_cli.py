@@ -131,9 +131,12 @@ def test_a_megatron_lora_run_saves_its_adapters_and_a_merged_actor(sft_run, tmp_
     assert settings == {
         "rank": 4,
         "alpha": 32,
-        "init_a": "kaiming",
-        "init_b": "zero",
         "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        "lora_A_init_method": "kaiming",
+        "lora_B_init_method": "zero",
+        "tensor_model_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": None,
     }
     tensors = load_file(out / "actor_adapter" / "megatron_lora.safetensors")
     assert any(name.endswith("self_attn.linear_qkv_lora.linear_in") for name in tensors)

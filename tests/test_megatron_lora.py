@@ -39,6 +39,7 @@ from refppo.rollout.megatron_lora import (
     save_megatron_lora,
 )
 from refppo.rollout.models import is_lora, make_reference
+from refppo.settings.config import MegatronLoraConfig
 from refppo.settings.overrides import command_settings
 
 SIZES = {
@@ -66,11 +67,17 @@ def _model(name: str):
     return model.double().eval()
 
 
-def _adapted(name: str, init_b: str = "normal"):
-    """(the base model, a copy with Megatron's LoRA, B drawn at random so the adapters act)."""
+def _lora(**settings) -> MegatronLoraConfig:
+    """``model.lora`` at rank RANK and alpha ALPHA, with ``settings``."""
+    return MegatronLoraConfig(rank=RANK, alpha=ALPHA, **settings)
+
+
+def _adapted(name: str, init_b: str = "normal", groups: int = 1):
+    """(the base model, a copy with Megatron's LoRA, B drawn at random so the adapters act; its
+    experts' adapters in ``groups`` expert-parallel groups)."""
     base = _model(name)
-    model = add_megatron_lora(copy.deepcopy(base), rank=RANK, alpha=ALPHA, init_b=init_b)
-    return base, model
+    lora = _lora(lora_B_init_method=init_b, expert_model_parallel_size=groups)
+    return base, add_megatron_lora(copy.deepcopy(base), lora)
 
 
 def _merged_weights(model) -> dict[str, torch.Tensor]:
@@ -94,11 +101,12 @@ def _merged_weights(model) -> dict[str, torch.Tensor]:
                     b = adapter.linear_out[row : row + weight.shape[0]]
                     weights[f"{name}.{projection}.weight"] = weight + ALPHA / RANK * b @ adapter.linear_in
                     row += weight.shape[0]
-        if name.endswith("mlp.experts"):
+        if name.endswith("mlp.experts"):  # the experts of an expert-parallel group share its adapter
             for megatron, param in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
-                adapter = getattr(module, f"{megatron}_lora")
-                delta = ALPHA / RANK * adapter.linear_out @ adapter.linear_in
-                weights[f"{name}.{param}"] = getattr(module, param) + delta  # the same for every expert
+                groups = getattr(module, f"{megatron}_lora")
+                experts = getattr(module, param).chunk(len(groups))
+                merged = [w + ALPHA / RANK * g.linear_out @ g.linear_in for w, g in zip(experts, groups, strict=True)]
+                weights[f"{name}.{param}"] = torch.cat(merged)
     return weights
 
 
@@ -109,11 +117,15 @@ def _logits(model, ids, weights=None):
     return torch.func.functional_call(model, weights, (ids,)).logits
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_the_adapted_model_is_its_weights_plus_megatrons_fused_adapters(name):
+# (model, expert-parallel size): Megatron-Bridge 0.5 gives each expert-parallel rank its own adapter
+CASES = [("llama", 1), ("qwen3_moe", 1), ("qwen3_moe", 2), ("qwen2_moe", 1), ("qwen2_moe", 4)]
+
+
+@pytest.mark.parametrize(("name", "groups"), CASES)
+def test_the_adapted_model_is_its_weights_plus_megatrons_fused_adapters(name, groups):
     """Outputs and the gradients of every A and B equal the base model with the merged weights
     written out here, in float64; without its adapters the model is the base model, bit for bit."""
-    base, model = _adapted(name)
+    base, model = _adapted(name, groups=groups)
     ids = torch.randint(0, SIZES["vocab_size"], (3, 7))
     logits = _logits(model, ids)
     merged = _merged_weights(model)
@@ -132,55 +144,82 @@ def test_the_adapted_model_is_its_weights_plus_megatrons_fused_adapters(name):
     assert all(g.abs().sum() > 0 for g in grads)
 
 
-def _megatron_parameter_count(config) -> int:
+def _megatron_parameter_count(config, groups: int) -> int:
     """Megatron-Bridge's LoRA parameters, counted from the shapes of its fused maps: per layer
-    rank x (in + out) for linear_qkv, linear_proj, linear_fc1 and linear_fc2, the experts' once."""
+    rank x (in + out) for linear_qkv, linear_proj, linear_fc1 and linear_fc2, the experts' once per
+    expert-parallel group."""
     h = config.hidden_size
     head = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q = config.num_attention_heads * head
     kv = config.num_key_value_heads * head
     per_layer = RANK * (h + q + 2 * kv) + RANK * (q + h)
     inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    per_layer += RANK * (h + 2 * inner) + RANK * (inner + h)
+    per_layer += groups * (RANK * (h + 2 * inner) + RANK * (inner + h))
     shared = getattr(config, "shared_expert_intermediate_size", 0)
     if shared:
         per_layer += RANK * (h + 2 * shared) + RANK * (shared + h)
     return config.num_hidden_layers * per_layer
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_only_megatrons_adapters_train(name):
-    """One A per fused map, never one per projection or per expert: the trainable parameters are
-    exactly Megatron's count, and the base weights are frozen."""
-    base, model = _adapted(name)
+@pytest.mark.parametrize(("name", "groups"), CASES)
+def test_only_megatrons_adapters_train(name, groups):
+    """One A per fused map (per expert-parallel group for the experts), never one per projection or
+    per expert: the trainable parameters are exactly Megatron's count, and the base weights are frozen."""
+    base, model = _adapted(name, groups=groups)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    assert sum(p.numel() for p in trainable) == _megatron_parameter_count(model.config)
+    assert sum(p.numel() for p in trainable) == _megatron_parameter_count(model.config, groups)
     assert {id(p) for p in trainable} == {id(p) for a in adapters(model) for p in a.parameters()}
 
 
 def test_a_subset_of_targets_adapts_those_maps_only():
     """``model.lora.target_modules`` names Megatron's maps; the others keep their weights."""
     base = _model("qwen3_moe")
-    model = add_megatron_lora(copy.deepcopy(base), rank=RANK, alpha=ALPHA, target_modules=("linear_qkv",))
+    model = add_megatron_lora(copy.deepcopy(base), _lora(target_modules=("linear_qkv",)))
     names = {name.rpartition(".")[0].rpartition(".")[2] for name, p in model.named_parameters() if p.requires_grad}
     assert names == {"linear_qkv_lora"}
 
 
 @pytest.mark.parametrize("method", ["xavier", "kaiming", "normal", "zero"])
-def test_initialisations_are_megatron_bridges(method):
-    """Megatron-Bridge's rules, on a (64, 1024) matrix: Xavier normal (std sqrt(2 / (fan in + fan
-    out))), Kaiming uniform with a = sqrt(5) (bound 1 / sqrt(fan in)), N(0, 0.2^2), zeros. The
-    standard deviation of 65,536 draws is within 2% of its value (its standard error is 0.3%)."""
+@pytest.mark.parametrize(("shards", "dim"), [(1, 0), (4, 0), (4, 1)])
+def test_initialisations_are_megatron_bridges(method, shards, dim):
+    """Megatron-Bridge's rules, on a (64, 1024) matrix, each tensor-parallel shard on its own (its
+    fans the shard's): Xavier normal (std sqrt(2 / (fan in + fan out))), Kaiming uniform with
+    a = sqrt(5) (bound 1 / sqrt(fan in)), N(0, 0.2^2), zeros. The standard deviation of a shard's
+    16,384 draws or more is within 3.5% of its value (5 standard errors: 0.55% each, or less)."""
     torch.manual_seed(0)
     weight = torch.empty(64, 1024, dtype=torch.float64)
-    init_adapter_weight(weight, method)
-    std = {"xavier": math.sqrt(2 / (64 + 1024)), "kaiming": 1 / math.sqrt(1024) / math.sqrt(3), "normal": 0.2}
-    if method == "zero":
-        assert torch.equal(weight, torch.zeros_like(weight))
-        return
-    assert abs(weight.std().item() / std[method] - 1) < 0.02
-    if method == "kaiming":
-        assert weight.abs().max() <= 1 / math.sqrt(1024)
+    init_adapter_weight(weight, method, shards=shards, dim=dim)
+    for part in weight.chunk(shards, dim=dim):
+        fan_out, fan_in = part.shape
+        std = {"xavier": math.sqrt(2 / (fan_in + fan_out)), "kaiming": 1 / math.sqrt(3 * fan_in), "normal": 0.2}
+        if method == "zero":
+            assert torch.equal(part, torch.zeros_like(part))
+            continue
+        assert abs(part.std().item() / std[method] - 1) < 0.035
+        if method == "kaiming":
+            assert part.abs().max() <= 1 / math.sqrt(fan_in)
+
+
+def test_tensor_parallel_shards_split_a_by_rank_or_by_input():
+    """Under a tensor-parallel size of 2, A of a column-parallel map (linear_qkv, linear_fc1) is split
+    by rank, so its Kaiming bound stays 1 / sqrt(hidden); A of a row-parallel map (linear_proj,
+    linear_fc2) by input, so each half's bound is sqrt(2) / sqrt(input); and a size that does not
+    split is refused."""
+    torch.manual_seed(0)
+    lora = MegatronLoraConfig(rank=4, alpha=ALPHA, lora_A_init_method="kaiming", tensor_model_parallel_size=2)
+    model = add_megatron_lora(_model("llama"), lora)
+    attention = model.model.layers[0].self_attn
+    mlp = model.model.layers[0].mlp
+    hidden = SIZES["hidden_size"]
+    assert attention.linear_qkv_lora.linear_in.abs().max() <= 1 / math.sqrt(hidden)
+    assert mlp.linear_fc1_lora.linear_in.abs().max() <= 1 / math.sqrt(hidden)
+    for a in (attention.linear_proj_lora.linear_in, mlp.linear_fc2_lora.linear_in):
+        half = a.shape[1] // 2
+        assert 1 / math.sqrt(a.shape[1]) < a.abs().max() <= 1 / math.sqrt(half)
+    with pytest.raises(ValueError, match="an adapter's rank 3 does not split over Megatron's tensor-parallel size 2"):
+        add_megatron_lora(_model("llama"), _lora(tensor_model_parallel_size=2))
+    with pytest.raises(ValueError, match="expert_model_parallel_size=3 does not divide a layer's 4 experts"):
+        add_megatron_lora(_model("qwen3_moe"), _lora(expert_model_parallel_size=3))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -190,11 +229,11 @@ def test_with_b_at_zero_the_adapted_model_starts_as_the_model(name):
     assert torch.equal(_logits(model, ids), _logits(base, ids))
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_merging_gives_a_plain_model_of_the_same_outputs(name, tmp_path):
+@pytest.mark.parametrize(("name", "groups"), CASES)
+def test_merging_gives_a_plain_model_of_the_same_outputs(name, groups, tmp_path):
     """The merged model has the base model's weights and no adapter, hook or patched forward; the
     saved adapters hold every A and B under their names in the model."""
-    base, model = _adapted(name)
+    base, model = _adapted(name, groups=groups)
     ids = torch.randint(0, SIZES["vocab_size"], (2, 6))
     logits = _logits(model, ids).detach()
     expected = {k: v.detach() for k, v in _merged_weights(model).items()}
@@ -217,25 +256,25 @@ def test_a_model_without_megatrons_projections_is_refused_unchanged():
     separate projections refppo adapts as Megatron's fused maps. GPT-2 keeps its layers elsewhere."""
     model = Phi3ForCausalLM(Phi3Config(intermediate_size=24, pad_token_id=0, **SIZES))
     with pytest.raises(ValueError, match="model.lora.target_modules: layer 0's attention has no q_proj"):
-        add_megatron_lora(model, rank=RANK, alpha=ALPHA)
+        add_megatron_lora(model, _lora())
     with pytest.raises(ValueError, match="layer 0's mlp is Phi3MLP, neither a gated MLP"):
-        add_megatron_lora(model, rank=RANK, alpha=ALPHA, target_modules=("linear_fc2",))
+        add_megatron_lora(model, _lora(target_modules=("linear_fc2",)))
     assert all(p.requires_grad for p in model.parameters()) and not adapters(model)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no decoder layers at .model.layers"):
-        add_megatron_lora(gpt2, rank=RANK, alpha=ALPHA)
+        add_megatron_lora(gpt2, _lora())
     with pytest.raises(ValueError, match=r"model.lora.target_modules=\['linear_q'\]: refppo adapts linear_qkv"):
-        add_megatron_lora(_model("llama"), rank=RANK, alpha=ALPHA, target_modules=("linear_q",))
+        add_megatron_lora(_model("llama"), _lora(target_modules=("linear_q",)))
     with pytest.raises(ValueError, match="model.lora.rank=0: an adapter has rank >= 1"):
-        add_megatron_lora(_model("llama"), rank=0, alpha=ALPHA)
+        add_megatron_lora(_model("llama"), MegatronLoraConfig(rank=0))
     with pytest.raises(ValueError, match="model.lora init method 'ones': Megatron-Bridge's are xavier"):
-        add_megatron_lora(_model("llama"), rank=RANK, alpha=ALPHA, init_b="ones")
+        add_megatron_lora(_model("llama"), _lora(lora_B_init_method="ones"))
 
 
 def test_a_ppo_step_trains_the_adapters_and_the_reference_is_the_base_model():
     """Two steps move every adapter and no base weight; the reference is the actor with its
     adapters off, the policy the steps started from."""
-    adapt = lambda actor: add_megatron_lora(actor, rank=4, alpha=8)  # noqa: E731
+    adapt = lambda actor: add_megatron_lora(actor, MegatronLoraConfig(rank=4, alpha=8))  # noqa: E731
     trainer = make_trainer(["algorithm.use_kl_in_reward=true"], adapt=adapt)
     actor = trainer.actor
     frozen = {name: p.detach().clone() for name, p in actor.named_parameters() if not p.requires_grad}
@@ -268,6 +307,24 @@ def test_verl_reads_megatrons_lora_on_its_megatron_engines_only():
     assert any(n.startswith(note) for n in notes)
     with pytest.raises(ValueError, match="lora.rank=8 with the actor's strategy fsdp: verl trains Megatron's LoRA"):
         command_settings("ppo", ["actor_rollout_ref.model.lora.rank=8"])
+
+
+def test_megatrons_parallel_sizes_shape_the_adapters_on_a_lora_line_only():
+    """Megatron-Bridge 0.5 (verl 0.9's) builds the adapters under the actor engine's parallel sizes
+    (``ParallelLinearAdapter``: an experts adapter per expert-parallel rank, A and B initialised per
+    tensor-parallel shard): on a Megatron LoRA line they are taken, on any other line noted as the
+    engine's; the reference's copies are the engine's either way."""
+    sizes = {"tensor_model_parallel_size": "2", "expert_model_parallel_size": "4", "expert_tensor_parallel_size": "1"}
+    given = [f"actor_rollout_ref.actor.megatron.{k}={v}" for k, v in sizes.items()]
+    reference = "actor_rollout_ref.ref.megatron.expert_model_parallel_size=4"
+    config, notes = command_settings(
+        "ppo", ["model_engine=megatron", "actor_rollout_ref.model.lora.rank=8", *given, reference]
+    )
+    assert {k: str(getattr(config.model.lora, k)) for k in sizes} == sizes
+    assert f"{reference} is a setting of verl's engine: it has no effect in refppo" in notes
+    config, notes = command_settings("ppo", ["model_engine=megatron", *given])
+    assert config.model.lora == MegatronLoraConfig()
+    assert f"{given[1]} is a setting of verl's engine: it has no effect in refppo" in notes
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,19 @@ layer keeps all its experts' weights in one grouped linear per projection. Megat
 (``megatron.bridge.peft.lora.LoRA``, verl's ``model.lora.type=lora``) puts one adapter on each
 such linear: one A (rank x in) and one B (out x rank) for q, k and v together, so the three
 projections share A and each takes its rows of B; one for the gate and up projections together;
-and one for all the experts of a layer's ``linear_fc1`` and one for their ``linear_fc2``, every
+and one for the experts of a layer's ``linear_fc1`` and one for their ``linear_fc2``, every
 expert adding the same low-rank map. Hugging Face keeps these maps apart, and PEFT's LoRA
 (``model.lora_rank``, verl's FSDP engine's) gives each its own A and B: at the same rank that
 trains other parameters, and more of them.
+
+Two details follow Megatron's parallel sizes in Megatron-Bridge 0.5, the release verl 0.9 installs
+(``megatron/bridge/peft/utils.py``, ``ParallelLinearAdapter``). Each expert-parallel rank holds its
+own copy of an experts adapter, over its own experts (its gradient is reduced over the ranks that
+hold the same experts only), so a layer's experts fall into ``expert_model_parallel_size`` groups of
+consecutive experts, each with its own adapter. And each tensor-parallel shard of A and B is
+initialised on its own, its Xavier and Kaiming scales taken from the shard's shape: A split by
+rank over the tensor-parallel ranks for ``linear_qkv`` and ``linear_fc1`` (column-parallel maps),
+by input for ``linear_proj`` and ``linear_fc2`` (row-parallel), B by output for all four.
 
 :func:`add_megatron_lora` gives a Hugging Face model Megatron's adapters in place: a forward hook
 adds each projection's rows of its adapter's output, and each experts module runs a forward with
@@ -20,6 +29,7 @@ turns them off (the reference policy), :func:`merge_megatron_lora` folds them in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -30,12 +40,13 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from refppo.settings.config import MEGATRON_LORA_INITS, MEGATRON_LORA_TARGETS
+from refppo.settings.config import MEGATRON_LORA_INITS, MEGATRON_LORA_TARGETS, MegatronLoraConfig
 
 # Hugging Face's separate projections under each of Megatron's fused maps, in row order
 ATTENTION_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
 MLP_PARTS = {"linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 SHARED_EXPERTS = ("shared_expert", "shared_experts")
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # the others are row-parallel
 ADAPTER_FILE = "megatron_lora.safetensors"
 CONFIG_FILE = "megatron_lora.json"
 
@@ -45,24 +56,29 @@ def _check_init_method(method: str) -> None:
         raise ValueError(f"model.lora init method {method!r}: Megatron-Bridge's are {', '.join(MEGATRON_LORA_INITS)}")
 
 
-def init_adapter_weight(weight: torch.Tensor, method: str) -> None:
-    """Initialise one of an adapter's matrices in place as Megatron-Bridge does: ``xavier`` a
-    Xavier normal, ``kaiming`` a Kaiming uniform with a = sqrt(5) (bound 1 / sqrt(fan in)),
-    ``normal`` N(0, 0.2^2), ``zero`` zeros.
+def init_adapter_weight(weight: torch.Tensor, method: str, shards: int = 1, dim: int = 0) -> None:
+    """Initialise one of an adapter's matrices in place as Megatron-Bridge does, each of its
+    ``shards`` equal parts along ``dim`` (a tensor-parallel rank's) on its own: ``xavier`` a Xavier
+    normal, ``kaiming`` a Kaiming uniform with a = sqrt(5) (bound 1 / sqrt(fan in)), ``normal``
+    N(0, 0.2^2), ``zero`` zeros; the fans are the part's.
 
     Args:
-        weight: (out, in) the matrix.
+        weight: (out, in) the matrix; its size along ``dim`` a multiple of ``shards``.
         method: one of :data:`MEGATRON_LORA_INITS`.
+        shards, dim: the parts, and the dimension they split.
     """
     _check_init_method(method)
-    if method == "xavier":
-        torch.nn.init.xavier_normal_(weight)
-    elif method == "kaiming":
-        torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    elif method == "normal":
-        torch.nn.init.normal_(weight, mean=0.0, std=0.2)
-    else:
-        torch.nn.init.zeros_(weight)
+    if weight.shape[dim] % shards:
+        raise ValueError(f"an adapter matrix of shape {tuple(weight.shape)} does not split in {shards} along {dim}")
+    for part in weight.chunk(shards, dim=dim):  # views: each is initialised in place
+        if method == "xavier":
+            torch.nn.init.xavier_normal_(part)
+        elif method == "kaiming":
+            torch.nn.init.kaiming_uniform_(part, a=math.sqrt(5))
+        elif method == "normal":
+            torch.nn.init.normal_(part, mean=0.0, std=0.2)
+        else:
+            torch.nn.init.zeros_(part)
 
 
 class FusedAdapter(torch.nn.Module):
@@ -75,16 +91,35 @@ class FusedAdapter(torch.nn.Module):
         rank, alpha: the adapter's rank and scale numerator.
         init_a, init_b: :data:`MEGATRON_LORA_INITS` for A and B.
         like: a weight of the adapted model, whose dtype and device the adapter takes.
+        shards: the tensor-parallel size each matrix is initialised under (:func:`init_adapter_weight`).
+        column_parallel: the map is column-parallel (A split by rank), else row-parallel (by input).
     """
 
     def __init__(
-        self, in_features: int, out_features: int, rank: int, alpha: float, init_a: str, init_b: str, like: torch.Tensor
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        init_a: str,
+        init_b: str,
+        like: torch.Tensor,
+        shards: int = 1,
+        column_parallel: bool = True,
     ):
         super().__init__()
+        split = {"rank": rank} if column_parallel else {"input size": in_features}
+        split["output size"] = out_features
+        for what, size in split.items():
+            if size % shards:
+                raise ValueError(
+                    f"model.lora: an adapter's {what} {size} does not split over Megatron's tensor-parallel size "
+                    f"{shards}, as Megatron-Bridge splits it"
+                )
         self.linear_in = torch.nn.Parameter(torch.empty(rank, in_features, dtype=like.dtype, device=like.device))
         self.linear_out = torch.nn.Parameter(torch.empty(out_features, rank, dtype=like.dtype, device=like.device))
-        init_adapter_weight(self.linear_in.data, init_a)
-        init_adapter_weight(self.linear_out.data, init_b)
+        init_adapter_weight(self.linear_in.data, init_a, shards=shards, dim=0 if column_parallel else 1)
+        init_adapter_weight(self.linear_out.data, init_b, shards=shards, dim=0)
         self.scale = alpha / rank
         self.active = True
         self.hooks = []
@@ -113,15 +148,28 @@ def _add_rows(adapter: FusedAdapter, rows: slice, module, inputs, output):
     return output + adapter(inputs[0], rows)
 
 
-def _adapt_linears(parent, name: str, parts: tuple[str, ...], settings: dict, like: torch.Tensor) -> None:
-    """One adapter, registered on ``parent`` as ``<name>_lora``, over the Linear projections
-    ``parts`` of ``parent`` (their outputs stacked in that order, as Megatron fuses them)."""
+def _linears_adapter(parent, name: str, parts: tuple[str, ...], lora: MegatronLoraConfig) -> FusedAdapter:
+    """The adapter of Megatron's map ``name`` over the Linear projections ``parts`` of ``parent``
+    (their outputs stacked in that order, as Megatron fuses them)."""
     linears = [getattr(parent, part) for part in parts]
-    in_features = linears[0].in_features
-    adapter = FusedAdapter(in_features, sum(linear.out_features for linear in linears), like=like, **settings)
+    out_features = sum(linear.out_features for linear in linears)
+    column_parallel = name in COLUMN_PARALLEL
+    return FusedAdapter(
+        linears[0].in_features,
+        out_features,
+        like=linears[0].weight,
+        shards=lora.tensor_model_parallel_size,
+        column_parallel=column_parallel,
+        **_adapter_settings(lora),
+    )
+
+
+def _attach_linears(parent, name: str, parts: tuple[str, ...], adapter: FusedAdapter) -> None:
+    """Register ``adapter`` on ``parent`` as ``<name>_lora`` and hook each projection's rows to it."""
     parent.register_module(f"{name}_lora", adapter)
     start = 0
-    for linear in linears:
+    for part in parts:
+        linear = getattr(parent, part)
         rows = slice(start, start + linear.out_features)
         adapter.hooks.append(linear.register_forward_hook(functools.partial(_add_rows, adapter, rows)))
         start = rows.stop
@@ -129,8 +177,9 @@ def _adapt_linears(parent, name: str, parts: tuple[str, ...], settings: dict, li
 
 def _experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     """transformers' eager experts forward (``Qwen3MoeExperts.forward``) with Megatron's adapters
-    of the layer's experts: ``linear_fc1_lora``'s output added to every expert's gate and up
-    projections, ``linear_fc2_lora``'s to its down projection, before the routing weight.
+    of the layer's experts: the output of its group's ``linear_fc1_lora`` added to an expert's gate
+    and up projections, of its ``linear_fc2_lora`` to its down projection, before the routing
+    weight. With the adapters off, the experts' own forward.
 
     Args:
         experts: a Hugging Face experts module (3-D ``gate_up_proj`` and ``down_proj``).
@@ -140,9 +189,11 @@ def _experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     Returns:
         (N, H) the experts' weighted sum.
     """
-    fc1 = getattr(experts, "linear_fc1_lora", None)
-    fc2 = getattr(experts, "linear_fc2_lora", None)
-    fc1_output = fc1(hidden_states) if fc1 is not None and fc1.active else None  # the same for every expert
+    fc1 = _active(getattr(experts, "linear_fc1_lora", None))
+    fc2 = _active(getattr(experts, "linear_fc2_lora", None))
+    if fc1 is None and fc2 is None:
+        return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights)
+    per_group = experts.num_experts // len(fc1 or fc2)
     final = torch.zeros_like(hidden_states)
     with torch.no_grad():
         mask = F.one_hot(top_k_index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
@@ -151,13 +202,15 @@ def _experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
         if expert == experts.num_experts:
             continue
         slot, token = torch.where(mask[expert])
-        gate_up = F.linear(hidden_states[token], experts.gate_up_proj[expert])
-        if fc1_output is not None:
-            gate_up = gate_up + fc1_output[token]
+        group = expert // per_group
+        state = hidden_states[token]
+        gate_up = F.linear(state, experts.gate_up_proj[expert])
+        if fc1 is not None:
+            gate_up = gate_up + fc1[group](state)
         inner = experts._apply_gate(gate_up)  # act(gate) x up, or the class's own gating
         out = F.linear(inner, experts.down_proj[expert])
-        if fc2 is not None and fc2.active:
-            out = out + fc2(inner)
+        if fc2 is not None:
+            out = out + fc2[group](inner)
         out = out * top_k_weights[token, slot, None]
         final.index_add_(0, token, out.to(final.dtype))
     return final
@@ -178,17 +231,39 @@ def _is_experts(module) -> bool:
     return gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2]
 
 
-def _adapt_experts(experts, name: str, settings: dict) -> None:
-    """Megatron's adapter ``name`` (linear_fc1 or linear_fc2) of a layer's experts: one for the
-    grouped linear, shared by every expert; the experts then run :func:`_experts_forward`."""
+def _active(group: torch.nn.ModuleList | None) -> torch.nn.ModuleList | None:
+    """An experts module's adapters of one grouped linear, or None when it has none or they are off."""
+    return group if group is not None and group[0].active else None
+
+
+def _experts_adapters(experts, name: str, lora: MegatronLoraConfig) -> torch.nn.ModuleList:
+    """Megatron's adapters of the grouped linear ``name`` (linear_fc1 or linear_fc2) of a layer's
+    experts: one per expert-parallel rank, each shared by that rank's consecutive experts."""
+    groups = lora.expert_model_parallel_size
+    if experts.num_experts % groups:
+        raise ValueError(
+            f"model.lora.expert_model_parallel_size={groups} does not divide a layer's {experts.num_experts} experts"
+        )
     two_inner = experts.gate_up_proj.shape[1]
     hidden = experts.gate_up_proj.shape[2]
-    if name == "linear_fc1":
-        adapter = FusedAdapter(hidden, two_inner, like=experts.gate_up_proj, **settings)
-    else:
-        adapter = FusedAdapter(two_inner // 2, hidden, like=experts.down_proj, **settings)
-    experts.register_module(f"{name}_lora", adapter)
-    experts.forward = types.MethodType(_experts_forward, experts)
+    fc1 = name == "linear_fc1"
+    sizes = (hidden, two_inner) if fc1 else (two_inner // 2, hidden)
+    shards = lora.expert_tensor_parallel_size or lora.tensor_model_parallel_size  # Megatron's null: the dense one
+    like = experts.gate_up_proj
+    settings = _adapter_settings(lora)
+    return torch.nn.ModuleList(
+        FusedAdapter(*sizes, like=like, shards=shards, column_parallel=fc1, **settings) for _ in range(groups)
+    )
+
+
+def _adapter_settings(lora: MegatronLoraConfig) -> dict:
+    """The settings every adapter takes: rank, alpha and the two initialisations."""
+    return {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "init_a": lora.lora_A_init_method,
+        "init_b": lora.lora_B_init_method,
+    }
 
 
 def _has(module, parts: tuple[str, ...]) -> bool:
@@ -234,54 +309,52 @@ def decoder_layers_of(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def add_megatron_lora(
-    model,
-    rank: int,
-    alpha: float,
-    target_modules: tuple[str, ...] = MEGATRON_LORA_TARGETS,
-    init_a: str = "xavier",
-    init_b: str = "zero",
-):
+def add_megatron_lora(model, lora: MegatronLoraConfig):
     """Give a causal LM Megatron-Bridge's LoRA adapters, in place; only the adapters train.
 
     Args:
         model: a Hugging Face causal LM whose decoder layers have ``self_attn`` (q_proj, k_proj,
             v_proj, o_proj) and ``mlp`` (gate_proj, up_proj, down_proj, or experts with a 3-D
             gate_up_proj and down_proj, and an optional shared expert).
-        rank, alpha: each adapter's rank and scale numerator (its output is alpha / rank x B A x).
-        target_modules: Megatron's names of the maps to adapt, of :data:`MEGATRON_LORA_TARGETS`.
-        init_a, init_b: :data:`MEGATRON_LORA_INITS` for every A and every B (with B zero the adapted
-            model starts as the model).
+        lora: ``model.lora``: the rank and alpha of every adapter (its output is alpha / rank x
+            B A x), Megatron's names of the maps to adapt (:data:`MEGATRON_LORA_TARGETS`), the
+            initialisations of A and B (:data:`MEGATRON_LORA_INITS`; with B zero the adapted model
+            starts as the model), and Megatron's parallel sizes the adapters are built under.
 
     Returns:
         ``model``, adapted.
 
     Raises:
-        ValueError: a target outside :data:`MEGATRON_LORA_TARGETS`, or a layer without the
-            projections a target names (before any change to the model).
+        ValueError: a target outside :data:`MEGATRON_LORA_TARGETS`, a rank below 1, an unknown
+            initialisation, a layer without the projections a target names, or a size the
+            parallel sizes do not divide (before any change to the model).
     """
-    unknown = [t for t in target_modules if t not in MEGATRON_LORA_TARGETS]
-    if unknown or not target_modules:
-        raise ValueError(
-            f"model.lora.target_modules={list(target_modules)}: refppo adapts {', '.join(MEGATRON_LORA_TARGETS)}"
-        )
-    if rank < 1:
-        raise ValueError(f"model.lora.rank={rank}: an adapter has rank >= 1")
-    for method in (init_a, init_b):
+    targets = tuple(lora.target_modules)
+    unknown = [t for t in targets if t not in MEGATRON_LORA_TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"model.lora.target_modules={list(targets)}: refppo adapts {', '.join(MEGATRON_LORA_TARGETS)}")
+    if lora.rank < 1:
+        raise ValueError(f"model.lora.rank={lora.rank}: an adapter has rank >= 1")
+    for method in (lora.lora_A_init_method, lora.lora_B_init_method):
         _check_init_method(method)
     plan = []
     for i, layer in enumerate(decoder_layers_of(model)):
-        plan += _attention_plan(getattr(layer, "self_attn", None), target_modules, f"layer {i}'s attention")
-        plan += _mlp_plan(getattr(layer, "mlp", None), target_modules, f"layer {i}'s mlp")
-    settings = {"rank": rank, "alpha": alpha, "init_a": init_a, "init_b": init_b}
-    like = next(model.parameters())
-    model.requires_grad_(False)
+        plan += _attention_plan(getattr(layer, "self_attn", None), targets, f"layer {i}'s attention")
+        plan += _mlp_plan(getattr(layer, "mlp", None), targets, f"layer {i}'s mlp")
+    built = []  # every adapter first: a size the parallel sizes do not divide is refused here
     for module, name, parts in plan:
         if parts is None:
-            _adapt_experts(module, name, settings)
+            built.append((module, name, parts, _experts_adapters(module, name, lora)))
         else:
-            _adapt_linears(module, name, parts, settings, like)
-    model.megatron_lora = dict(settings, target_modules=list(target_modules))
+            built.append((module, name, parts, _linears_adapter(module, name, parts, lora)))
+    model.requires_grad_(False)
+    for module, name, parts, adapter in built:
+        if parts is None:
+            module.register_module(f"{name}_lora", adapter)
+            module.forward = types.MethodType(_experts_forward, module)
+        else:
+            _attach_linears(module, name, parts, adapter)
+    model.megatron_lora = dataclasses.asdict(lora)
     return model
 
 
@@ -320,18 +393,25 @@ def merge_megatron_lora(model):
         ``model``, a plain Hugging Face model of the same outputs.
     """
     for parent in list(model.modules()):
-        for name in [n for n, child in parent.named_children() if isinstance(child, FusedAdapter)]:
-            adapter = getattr(parent, name)
+        for name in [target for target in MEGATRON_LORA_TARGETS if hasattr(parent, f"{target}_lora")]:
+            adapter = getattr(parent, f"{name}_lora")
             if _is_experts(parent):
-                weight = parent.gate_up_proj if name == "linear_fc1_lora" else parent.down_proj
-                weight += adapter.delta().to(weight.dtype)
+                _merge_experts(parent, name, adapter)
             else:
-                _merge_linears(parent, name.removesuffix("_lora"), adapter)
-            delattr(parent, name)
-        if _is_experts(parent) and "forward" in vars(parent):
+                _merge_linears(parent, name, adapter)
+            delattr(parent, f"{name}_lora")
+        if "forward" in vars(parent):
             del parent.forward
     del model.megatron_lora
     return model
+
+
+def _merge_experts(experts, name: str, groups: torch.nn.ModuleList) -> None:
+    """Add each group's adapter to the weights of its experts."""
+    weight = experts.gate_up_proj if name == "linear_fc1" else experts.down_proj
+    per_group = experts.num_experts // len(groups)
+    for group, adapter in enumerate(groups):
+        weight[group * per_group : (group + 1) * per_group] += adapter.delta().to(weight.dtype)
 
 
 def _merge_linears(parent, name: str, adapter: FusedAdapter) -> None:
@@ -358,11 +438,10 @@ def save_megatron_lora(model, folder: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    tensors = {
-        name: parameter.detach().contiguous().cpu()
-        for name, parameter in model.named_parameters()
-        if name.endswith(("_lora.linear_in", "_lora.linear_out"))
-    }
+    tensors = {}
+    for prefix, adapter in model.named_modules():
+        if isinstance(adapter, FusedAdapter):
+            tensors |= {name: p.detach().contiguous().cpu() for name, p in adapter.named_parameters(prefix=prefix)}
     save_file(tensors, os.path.join(folder, ADAPTER_FILE))
     with open(os.path.join(folder, CONFIG_FILE), "w") as f:
         json.dump(model.megatron_lora, f, indent=2)

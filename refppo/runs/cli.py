@@ -439,14 +439,7 @@ def _ppo_actor(config: Config, tokenizer, device: torch.device):
     if m.lora_rank > 0:
         return add_lora(actor, m.lora_rank, m.lora_alpha)
     if m.lora.rank > 0:
-        return add_megatron_lora(
-            actor,
-            rank=m.lora.rank,
-            alpha=m.lora.alpha,
-            target_modules=m.lora.target_modules,
-            init_a=m.lora.lora_A_init_method,
-            init_b=m.lora.lora_B_init_method,
-        )
+        return add_megatron_lora(actor, m.lora)
     return actor
 
 

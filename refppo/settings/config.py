@@ -193,6 +193,12 @@ class MegatronLoraConfig:
     target_modules: tuple[str, ...] = setting(MEGATRON_LORA_TARGETS, MEGATRON_LORA_TARGETS, needs=MEGATRON_LORA)
     lora_A_init_method: str = setting("xavier", MEGATRON_LORA_INITS, needs=MEGATRON_LORA)
     lora_B_init_method: str = setting("zero", MEGATRON_LORA_INITS, needs=MEGATRON_LORA)
+    # Megatron's parallel sizes the adapters are built under (verl's actor.megatron.*): Megatron-Bridge
+    # 0.5, verl 0.9's, gives each expert-parallel rank its own adapter of its experts, and initialises
+    # each tensor-parallel shard of A and B on its own (null expert size: the dense one)
+    tensor_model_parallel_size: int = setting(1, COUNT, needs=MEGATRON_LORA)
+    expert_model_parallel_size: int = setting(1, COUNT, needs=MEGATRON_LORA)
+    expert_tensor_parallel_size: int | None = setting(None, COUNT, needs=MEGATRON_LORA)
 
 
 @dataclass

@@ -611,6 +611,12 @@ MEGATRON_ENGINES = ("megatron", "mindspeed")
 # verl's keys of the two LoRAs: Megatron's adapter rank, and PEFT's settings
 MEGATRON_LORA_RANK = "actor_rollout_ref.model.lora.rank"
 PEFT_LORA = ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha")
+# Megatron's parallel sizes in the actor's engine settings, which Megatron-Bridge 0.5 builds the LoRA
+# adapters under (refppo's model.lora.<size>): verl key -> refppo's size
+PARALLEL_SIZES = ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")
+LORA_PARALLEL_SIZES = {
+    f"actor_rollout_ref.actor.{engine}.{size}": size for engine in MEGATRON_ENGINES for size in PARALLEL_SIZES
+}
 # Every engine but FSDP's takes the critic's data_loader_seed from the actor's unless given
 # (critic/<engine>_critic.yaml: ${oc.select:actor_rollout_ref.actor.data_loader_seed,null}).
 CRITIC_SEED_FROM_ACTOR = ("megatron", "mindspeed", "veomni", "torchtitan")

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from refppo.settings.conditions import CRITIC_FROM_ACTOR, critic_setting, critic_warmup
 from refppo.settings.config import Config, declarations, get_value
 from refppo.settings.validate import format_value, ignored_settings, read_settings
-from refppo.settings.verl_keys import ADDED, VALUES
+from refppo.settings.verl_keys import ADDED, PARALLEL_SIZES, VALUES
 from refppo.settings.verl_names import verl_key
 
 VERL_CONFIG_PACKAGE = "pkg://verl.trainer.config"  # where Hydra finds verl's own ppo_trainer
@@ -39,6 +39,11 @@ REFPPO_ONLY = {
     "actor.router_replay": "verl's actor_rollout_ref.actor.megatron.router_replay.mode or .veomni.router_replay.mode, "
     "read in the engine the line picks (--print-verl gives the engine)",
     "model.compile_layers": "refppo's own; verl's torchtitan engine compiles each layer under use_torch_compile",
+    **{
+        f"model.lora.{size}": f"Megatron's parallel size the LoRA adapters are built under: verl's "
+        f"actor_rollout_ref.actor.megatron.{size} on a Megatron LoRA line"
+        for size in PARALLEL_SIZES
+    },
     "reward_model.reward_fn": "a Python function, package.module:function (verl's reward.custom_reward_function "
     "takes a file path and a name)",
     "reward_model.micro_batch_size_per_gpu": "the reward model's forward passes; verl serves it from its engine",
@@ -259,6 +264,8 @@ def _engine_items(key: str, value, engine: str | None) -> tuple[list[str], list[
                         "differ from these settings"]  # fmt: skip
         routes = ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"] if value == "R3" else []
         return [f"actor_rollout_ref.actor.{engine}.router_replay.mode={value}", *routes], []
+    if key.startswith("model.lora.") and key.endswith("_parallel_size"):  # Megatron's, which builds the adapters
+        return [f"actor_rollout_ref.actor.megatron.{key.rpartition('.')[2]}={format_value(value)}"], []
     if engine is not None and key.endswith(ENGINE_DEFAULTS_TAKEN[engine]):
         return [], []
     return None

@@ -37,6 +37,7 @@ from refppo.settings.verl_keys import (
     ENGINE_GROUPS,
     FULL,
     KEY_VALUES,
+    LORA_PARALLEL_SIZES,
     MEGATRON_ENGINES,
     MEGATRON_LORA_RANK,
     MISSING,
@@ -250,6 +251,8 @@ def _line_check(
         return functools.partial(_rollout_routes, key, text, line)
     if sep and key.startswith(FULL) and full in (MEGATRON_LORA_RANK, *PEFT_LORA):
         return functools.partial(_lora_of_the_engine, key, full, text, line)
+    if sep and full in LORA_PARALLEL_SIZES:
+        return functools.partial(_lora_parallel_size, key, full, text, line)
     return None
 
 
@@ -331,6 +334,21 @@ def _lora_of_the_engine(key: str, full: str, text: str, line: list[str], transla
             "PEFT's, actor_rollout_ref.model.lora_rank"
         )
     translated.append(f"{refppo_key(key)}={text}")
+
+
+def _lora_parallel_size(key: str, full: str, text: str, line: list[str], translated: list[str], notes: list[str]):
+    """A Megatron parallel size of the actor's engine (:data:`LORA_PARALLEL_SIZES`): refppo's
+    ``model.lora.<size>`` when the verl command ``line`` trains Megatron's LoRA in that engine, as
+    Megatron-Bridge 0.5 builds the adapters under it (``ParallelLinearAdapter``); else a setting of
+    verl's engine, noted. The translation goes to ``translated``, the note to ``notes``."""
+    strategy = _actor_strategy(line)
+    rank = _plain(_line_values(line).get(MEGATRON_LORA_RANK, "0"))
+    if _same_value(rank, "0") or full != f"actor_rollout_ref.actor.{strategy}.{LORA_PARALLEL_SIZES[full]}":
+        notes.append(_engine_note(key, text))
+        return
+    name = f"model.lora.{LORA_PARALLEL_SIZES[full]}"
+    translated.append(f"{name}={text}")
+    notes.append(f"{key}={text}: {name}={_plain(text)}, as Megatron-Bridge builds the LoRA adapters under it")
 
 
 def _rollout_routes(key: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
