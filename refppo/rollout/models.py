@@ -274,6 +274,43 @@ def load_value_model(
     return model
 
 
+# config fields that count a mixture-of-experts model's routed experts (Qwen-MoE, Mixtral, DeepSeek, ...)
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_mixture_of_experts(model) -> bool:
+    """Whether a model's config (or its text model's) counts routed experts."""
+    config = model.config
+    configs = [config, getattr(config, "text_config", None)]
+    return any(getattr(c, name, None) for c in configs if c is not None for name in EXPERT_COUNTS)
+
+
+def check_router_losses(model, aux_coeff: float | None, z_coeff: float) -> None:
+    """Refuse Megatron's router losses (``actor.moe_aux_loss_coeff``, ``actor.moe_z_loss_coeff``,
+    which a verl Megatron line turns on) for a mixture-of-experts model: refppo implements neither.
+    A dense model has no router, so no such loss: nothing to refuse.
+
+    Args:
+        model: the actor, before any adapter.
+        aux_coeff: the load-balancing loss's coefficient (None: the model's own).
+        z_coeff: the z-loss's coefficient.
+    """
+    if not is_mixture_of_experts(model):
+        return
+    if aux_coeff is None or aux_coeff > 0:
+        shown = "null (the model's own)" if aux_coeff is None else aux_coeff
+        raise ValueError(
+            f"actor.moe_aux_loss_coeff={shown} on a mixture-of-experts model: refppo does not implement Megatron's "
+            "router load-balancing loss, which verl's Megatron engine adds where its line turns it on "
+            "(moe_router_load_balancing_type, vanilla_mbridge); give it 0"
+        )
+    if z_coeff > 0:
+        raise ValueError(
+            f"actor.moe_z_loss_coeff={z_coeff} on a mixture-of-experts model: refppo does not implement Megatron's "
+            "router z-loss, which verl's Megatron engine adds where its line gives moe_z_loss_coeff; give it 0"
+        )
+
+
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
     """Eval mode and no gradients: for the reward model and a separate reference."""
     model.eval()

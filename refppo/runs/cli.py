@@ -430,10 +430,11 @@ def _ppo_actor(config: Config, tokenizer, device: torch.device):
     """The actor: ``model.path``, under a saved LoRA adapter (``model.lora_adapter_path``), a
     fresh one (``model.lora_rank > 0``) or Megatron's adapters (``model.lora.rank > 0``)."""
     from refppo.rollout.megatron_lora import add_megatron_lora
-    from refppo.rollout.models import add_lora, load_causal_lm, load_lora_adapter
+    from refppo.rollout.models import add_lora, check_router_losses, load_causal_lm, load_lora_adapter
 
     m = config.model
     actor = load_causal_lm(m.path, tokenizer, device, trust_remote_code=m.trust_remote_code)
+    check_router_losses(actor, config.actor.moe_aux_loss_coeff, config.actor.moe_z_loss_coeff)
     if m.lora_adapter_path is not None:
         return load_lora_adapter(actor, m.lora_adapter_path)
     if m.lora_rank > 0:

@@ -315,6 +315,12 @@ class ActorConfig:
     # a mixture-of-experts actor's top-k experts fixed through the update (refppo.rollout.router_replay):
     # R2 as the old-log-prob pass routed, R3 as the rollout did (verl's <engine>.router_replay.mode)
     router_replay: str = setting("disabled", ROUTER_REPLAY_MODES)
+    # Megatron's router losses, which verl's Megatron engines add on a mixture-of-experts actor where
+    # a line turns them on: the load-balancing loss's coefficient (null: the model's own) and the
+    # z-loss's. refppo implements neither: a mixture-of-experts actor refuses any but 0; a dense
+    # model has no router, and no such loss.
+    moe_aux_loss_coeff: float | None = setting(0.0, NONNEG)
+    moe_z_loss_coeff: float = setting(0.0, NONNEG)
     # The log-prob passes (old, reference, update) reduce their logits with kernels made by
     # torch.compile, one per block instead of several float32 passes (verl's name). null: on with
     # CUDA, off on a CPU. The first steps compile them, once per process.

@@ -608,6 +608,15 @@ VEOMNI_UNREAD = ("actor_rollout_ref.actor.optim.lr_warmup_steps", "critic.optim.
 # Megatron-Bridge's, model.lora.* (get_peft_cls in verl/workers/config/megatron_peft.py); the other
 # engines' is PEFT's, model.lora_rank and model.lora_alpha.
 MEGATRON_ENGINES = ("megatron", "mindspeed")
+# Megatron's transformer settings in each Megatron engine's actor configuration, where a line sets the
+# router losses (verl's MindSpeed engine passes mcore_kwargs to Megatron as arguments); Megatron-Bridge's
+# provider turns the load-balancing loss off (verl's provider_overrides in MegatronEngine._build_tf_config)
+# unless a line turns it back on, the deprecated mbridge (vanilla_mbridge, MindSpeed's only path) keeps
+# the model's own loss and coefficient
+TRANSFORMER_SETTINGS = {
+    "megatron": "actor_rollout_ref.actor.megatron.override_transformer_config.",
+    "mindspeed": "actor_rollout_ref.actor.mindspeed.mcore_kwargs.",
+}
 # verl's keys of the two LoRAs: Megatron's adapter rank, and PEFT's settings
 MEGATRON_LORA_RANK = "actor_rollout_ref.model.lora.rank"
 PEFT_LORA = ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha")

@@ -40,6 +40,11 @@ REFPPO_ONLY = {
     "read in the engine the line picks (--print-verl gives the engine)",
     "model.compile_layers": "refppo's own; verl's torchtitan engine compiles each layer under use_torch_compile",
     **{
+        f"actor.{name}": f"Megatron's router loss a Megatron line turns on (its {name}), refused on a "
+        "mixture-of-experts actor"
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+    },
+    **{
         f"model.lora.{size}": f"Megatron's parallel size the LoRA adapters are built under: verl's "
         f"actor_rollout_ref.actor.megatron.{size} on a Megatron LoRA line"
         for size in PARALLEL_SIZES
@@ -229,11 +234,13 @@ ENGINE_DEFAULTS_TAKEN = {
 
 def _printed_engine(config: Config, read: list[str]) -> str | None:
     """The verl engine a printed line picks: Megatron's where the optimizers are Megatron's
-    (:func:`_megatron_optimizers`) or the actor trains Megatron's LoRA (``model.lora.rank > 0``,
-    which only verl's Megatron engines read); VeOmni's where the actor replays its routing and
-    VeOmni's optimizers run the settings (every parameter decayed, a warm-up by ratio alone, a
-    cosine down to 0); None (FSDP's) otherwise; ``read``: the settings the run reads."""
-    if _megatron_optimizers(config, read) or config.model.lora.rank > 0:
+    (:func:`_megatron_optimizers`), the actor trains Megatron's LoRA (``model.lora.rank > 0``) or
+    Megatron's router losses are on, which only verl's Megatron engines read; VeOmni's where the
+    actor replays its routing and VeOmni's optimizers run the settings (every parameter decayed, a
+    warm-up by ratio alone, a cosine down to 0); None (FSDP's) otherwise; ``read``: the settings the
+    run reads."""
+    router_losses = config.actor.moe_aux_loss_coeff != 0 or config.actor.moe_z_loss_coeff > 0
+    if _megatron_optimizers(config, read) or config.model.lora.rank > 0 or router_losses:
         return "megatron"
     if config.actor.router_replay == "disabled":
         return None
@@ -264,11 +271,25 @@ def _engine_items(key: str, value, engine: str | None) -> tuple[list[str], list[
                         "differ from these settings"]  # fmt: skip
         routes = ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"] if value == "R3" else []
         return [f"actor_rollout_ref.actor.{engine}.router_replay.mode={value}", *routes], []
+    if key in ("actor.moe_aux_loss_coeff", "actor.moe_z_loss_coeff"):
+        return _router_loss_items(key, value), []
     if key.startswith("model.lora.") and key.endswith("_parallel_size"):  # Megatron's, which builds the adapters
         return [f"actor_rollout_ref.actor.megatron.{key.rpartition('.')[2]}={format_value(value)}"], []
     if engine is not None and key.endswith(ENGINE_DEFAULTS_TAKEN[engine]):
         return [], []
     return None
+
+
+def _router_loss_items(key: str, value) -> list[str]:
+    """The verl settings of a Megatron router loss (``actor.moe_aux_loss_coeff``, ``actor.moe_z_loss_coeff``):
+    Megatron-Bridge's path, which turns the load-balancing loss off unless its type is given; none for 0."""
+    section = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+    if value == 0:
+        return []
+    if key == "actor.moe_z_loss_coeff":
+        return [f"{section}moe_z_loss_coeff={format_value(value)}"]
+    coefficient = [] if value is None else [f"{section}moe_aux_loss_coeff={format_value(value)}"]
+    return [f"{section}moe_router_load_balancing_type=aux_loss", *coefficient]
 
 
 def _megatron_optimizers(config: Config, read: list[str]) -> bool:

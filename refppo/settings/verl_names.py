@@ -56,6 +56,7 @@ from refppo.settings.verl_keys import (
     SECTIONS,
     SEQUENCE_PARALLEL,
     TORCHTITAN,
+    TRANSFORMER_SETTINGS,
     UNREAD_BY_VERL,
     VALUES,
     VEOMNI_UNREAD,
@@ -418,6 +419,7 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
                 f"{key}={text}: {role}.optim.decay_1d_params=false, as verl's {engine} optimizer takes no weight "
                 "decay on biases and norms' weights (Megatron-Core's parameter groups)"
             )
+    _router_losses(key, text, engine, given, translated, notes)
     if engine == "veomni":
         for item in [item for item in translated if full_path(item.partition("=")[0].strip()) in VEOMNI_UNREAD]:
             translated.remove(item)
@@ -425,6 +427,40 @@ def _model_engine(key: str, text: str, line: list[str], translated: list[str], n
                 f"{item} is not read: verl's VeOmni engine warms up for optim.lr_warmup_steps_ratio of the run "
                 "(verl leaves it unread too)"
             )
+
+
+def _router_losses(
+    key: str, text: str, engine: str, given: dict[str, str], translated: list[str], notes: list[str]
+) -> None:
+    """Megatron's router losses under a Megatron engine (:data:`TRANSFORMER_SETTINGS`): on
+    Megatron-Bridge's path verl turns the load-balancing loss off unless the line's
+    ``moe_router_load_balancing_type`` turns it on; the deprecated mbridge (``vanilla_mbridge=true``,
+    MindSpeed's only path) keeps the model's, at the line's coefficient or else the model's own
+    (null); the z-loss runs wherever the line gives it a coefficient. Those a line turns on go to
+    ``translated`` as ``actor.moe_aux_loss_coeff`` and ``actor.moe_z_loss_coeff``, which a
+    mixture-of-experts actor refuses, each with a note to ``notes``."""
+    if engine not in TRANSFORMER_SETTINGS:
+        return
+    section = TRANSFORMER_SETTINGS[engine]
+    mbridge = _plain(given.get(f"actor_rollout_ref.actor.{engine}.vanilla_mbridge", "false")) == "true"
+    vanilla = engine == "mindspeed" or mbridge
+    # _plain reads Megatron's "none" as Hydra's null, which is off too
+    balancing = _plain(given.get(f"{section}moe_router_load_balancing_type", "aux_loss" if vanilla else "none"))
+    aux = _plain(given.get(f"{section}moe_aux_loss_coeff", "null"))
+    if balancing != "null" and not _same_value(aux, "0"):
+        translated.append(f"actor.moe_aux_loss_coeff={aux}")
+        notes.append(
+            f"{key}={text}: verl's {engine} engine adds Megatron's router load-balancing loss ({balancing}) on a "
+            f"mixture-of-experts model: actor.moe_aux_loss_coeff={aux} (null: the model's own), which refppo refuses "
+            "for a model with routers"
+        )
+    z_loss = _plain(given.get(f"{section}moe_z_loss_coeff", "null"))
+    if z_loss != "null" and not _same_value(z_loss, "0"):
+        translated.append(f"actor.moe_z_loss_coeff={z_loss}")
+        notes.append(
+            f"{key}={text}: verl's {engine} engine adds Megatron's router z-loss on a mixture-of-experts model: "
+            f"actor.moe_z_loss_coeff={z_loss}, which refppo refuses for a model with routers"
+        )
 
 
 def unread_reason(full: str) -> str | None:
