@@ -447,19 +447,20 @@ def _router_losses(
     # _plain reads Megatron's "none" as Hydra's null, which is off too
     balancing = _plain(given.get(f"{section}moe_router_load_balancing_type", "aux_loss" if vanilla else "none"))
     aux = _plain(given.get(f"{section}moe_aux_loss_coeff", "null"))
-    if balancing != "null" and not _same_value(aux, "0"):
-        translated.append(f"actor.moe_aux_loss_coeff={aux}")
-        notes.append(
-            f"{key}={text}: verl's {engine} engine adds Megatron's router load-balancing loss ({balancing}) on a "
-            f"mixture-of-experts model: actor.moe_aux_loss_coeff={aux} (null: the model's own), which refppo refuses "
-            "for a model with routers"
-        )
     z_loss = _plain(given.get(f"{section}moe_z_loss_coeff", "null"))
+    turned_on = {}  # refppo's setting -> (its value, the loss)
+    if balancing != "null" and not _same_value(aux, "0"):
+        turned_on["actor.moe_aux_loss_coeff"] = (
+            aux,
+            f"load-balancing loss ({balancing}; null: the model's coefficient)",
+        )
     if z_loss != "null" and not _same_value(z_loss, "0"):
-        translated.append(f"actor.moe_z_loss_coeff={z_loss}")
+        turned_on["actor.moe_z_loss_coeff"] = (z_loss, "z-loss")
+    for name, (value, loss) in turned_on.items():
+        translated.append(f"{name}={value}")
         notes.append(
-            f"{key}={text}: verl's {engine} engine adds Megatron's router z-loss on a mixture-of-experts model: "
-            f"actor.moe_z_loss_coeff={z_loss}, which refppo refuses for a model with routers"
+            f"{key}={text}: verl's {engine} engine adds Megatron's router {loss} on a mixture-of-experts model: "
+            f"{name}={value}, which refppo refuses for a model with routers"
         )
 
 
