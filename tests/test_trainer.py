@@ -9,8 +9,9 @@ from _trainers import make_trainer, minibatch_stats
 
 from refppo import accel
 from refppo.rollout.forward import ForwardPasses
+from refppo.rollout.megatron_lora import add_megatron_lora
 from refppo.runs.folder import RunFolder, check_resume
-from refppo.settings.config import apply_overrides
+from refppo.settings.config import MegatronLoraConfig, apply_overrides
 from refppo.settings.validate import validate
 from refppo.training import update
 from refppo.training.fit import fit
@@ -245,20 +246,30 @@ def _checkpointed(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_gradient_checkpointing_changes_no_number(lora_rank):
+# the actor: a whole model, PEFT's LoRA, Megatron's LoRA (forward hooks, recomputed with the layer)
+ADAPTED = {
+    "none": {},
+    "peft": {"lora_rank": 4},
+    "megatron": {
+        "adapt": lambda actor: add_megatron_lora(actor, MegatronLoraConfig(rank=4, lora_B_init_method="normal"))
+    },
+}
+
+
+@pytest.mark.parametrize("actor", sorted(ADAPTED))
+def test_gradient_checkpointing_changes_no_number(actor):
     """model.enable_gradient_checkpointing and critic.model.enable_gradient_checkpointing turn
     activation checkpointing on in the actor (a LoRA actor's base too) and the critic, not in a
     separate reference; three steps then give the same metrics and weights as without it."""
     runs = {}
     for on in ("false", "true"):
         flags = [f"model.enable_gradient_checkpointing={on}", f"critic.model.enable_gradient_checkpointing={on}"]
-        trainer = make_trainer([*flags, "algorithm.use_kl_in_reward=true"], lora_rank=lora_rank)
+        trainer = make_trainer([*flags, "algorithm.use_kl_in_reward=true"], **ADAPTED[actor])
         runs[on] = trainer, [_no_timing(m) for m in _run(trainer, 3)]
     (plain, plain_metrics), (checkpointed, metrics) = runs["false"], runs["true"]
     assert _checkpointed(checkpointed.actor) and _checkpointed(checkpointed.critic)
     assert not _checkpointed(plain.actor) and not _checkpointed(plain.critic)
-    if not lora_rank:
+    if actor == "none":
         assert not _checkpointed(checkpointed.reference)
     assert metrics == plain_metrics
     for a, b in [(plain.actor, checkpointed.actor), (plain.critic, checkpointed.critic)]:
