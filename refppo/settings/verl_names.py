@@ -97,9 +97,14 @@ def _line_values(items: list[str]) -> dict[str, str]:
     return values
 
 
+def _unquoted(text: str) -> str:
+    """An override's value without its quotes, its case kept (verl's router-replay modes are R2, R3)."""
+    return text.strip().strip("'\"")
+
+
 def _plain(text: str) -> str:
     """An override's value as verl's Hydra reads it, for comparing: no quotes, lower case."""
-    return text.strip().strip("'\"").lower().replace("none", "null")
+    return _unquoted(text).lower().replace("none", "null")
 
 
 def _same_value(text: str, off: str) -> bool:
@@ -271,7 +276,7 @@ def _line_router_replay(line: list[str]) -> str:
     strategy = _actor_strategy(line)
     if strategy not in ROUTER_REPLAY_ENGINES:
         return "disabled"
-    return _line_values(line).get(ACTOR_ROUTER_REPLAY[strategy], "disabled").strip().strip("'\"")
+    return _unquoted(_line_values(line).get(ACTOR_ROUTER_REPLAY[strategy], "disabled"))
 
 
 def _router_replay(key: str, full: str, text: str, line: list[str], translated: list[str], notes: list[str]) -> None:
@@ -292,7 +297,7 @@ def _router_replay(key: str, full: str, text: str, line: list[str], translated: 
             f"({strategy}), if it is megatron or veomni (verl leaves it unread too)"
         )
         return
-    mode = text.strip().strip("'\"")  # verl's modes are R2 and R3, in capitals
+    mode = _line_router_replay(line)  # the line's last value of this key, as Hydra takes it
     routes = _plain(given.get(ROLLOUT_ROUTES, "false")) == "true"
     if mode == "R3" and not routes:
         raise ValueError(

@@ -9,6 +9,17 @@ import torch
 from refppo.settings.config import OptimConfig
 
 
+def _parameter_groups(params: list, decay_1d_params: bool) -> list[dict]:
+    """AdamW's parameter groups: one, or with ``decay_1d_params=false`` the 1-D parameters apart,
+    without weight decay."""
+    if decay_1d_params:
+        return [{"params": params}]
+    return [
+        {"params": [p for p in params if p.dim() != 1]},
+        {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
+    ]
+
+
 def make_optimizer(params, optim: OptimConfig, total_steps: int):
     """AdamW and verl's LambdaLR schedules (``get_constant_schedule_with_warmup``,
     ``get_cosine_schedule_with_warmup``), the learning rate at step s being lr x factor(s).
@@ -33,13 +44,7 @@ def make_optimizer(params, optim: OptimConfig, total_steps: int):
     Returns:
         (optimizer, scheduler); the scheduler steps once per training step.
     """
-    params = list(params)
-    groups = [{"params": params}]
-    if not optim.decay_1d_params:
-        groups = [
-            {"params": [p for p in params if p.dim() != 1]},
-            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
-        ]
+    groups = _parameter_groups(list(params), decay_1d_params=optim.decay_1d_params)
     optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
     warmup = optim.lr_warmup_steps
     floor = optim.min_lr_ratio
