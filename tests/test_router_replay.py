@@ -200,10 +200,10 @@ def test_a_model_without_a_replayable_router_is_refused():
         RouterReplay(moe)
 
 
-def _moe_trainer(mode: str):
-    """A GRPO trainer on a two-layer Qwen3-MoE actor with ``actor.router_replay=mode``: 8 prompts
-    x 2 responses a step, two epochs of two mini-batches, micro-batches of 2 rows, a large rate so
-    that the routing moves within an update."""
+def _moe_trainer(mode: str, extra: tuple[str, ...] = ()):
+    """A GRPO trainer on a two-layer Qwen3-MoE actor with ``actor.router_replay=mode`` and the
+    settings ``extra``: 8 prompts x 2 responses a step, two epochs of two mini-batches,
+    micro-batches of 2 rows, a large rate so that the routing moves within an update."""
     from _trainers import RECORDS, TOK
 
     from refppo.settings.config import Config, apply_overrides
@@ -213,7 +213,7 @@ def _moe_trainer(mode: str):
     settings = [
         "data.train_batch_size=8", "data.max_response_length=4", "algorithm.adv_estimator=grpo", "rollout.n=2",
         "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2", "actor.ppo_micro_batch_size_per_gpu=2",
-        "actor.optim.lr=0.05", f"actor.router_replay={mode}", "trainer.critic_warmup=0",
+        "actor.optim.lr=0.05", f"actor.router_replay={mode}", "trainer.critic_warmup=0", *extra,
     ]  # fmt: skip
     config = validate(apply_overrides(Config(), settings))
     torch.manual_seed(0)
@@ -246,13 +246,16 @@ def _update_targets(trainer, batch) -> list[torch.Tensor]:
     return [torch.cat([part[:, :, layer].reshape(-1, 2) for part in order]).long() for layer in range(2)]
 
 
-@pytest.mark.parametrize("mode", ["R2", "R3"])
-def test_the_update_routes_every_token_as_recorded(mode):
+DYNAMIC_SAMPLING = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward")
+
+
+@pytest.mark.parametrize(("mode", "extra"), [("R2", ()), ("R3", ()), ("R3", DYNAMIC_SAMPLING)])
+def test_the_update_routes_every_token_as_recorded(mode, extra):
     """The trainer's step: R2 records the routing in the old-log-prob pass, R3 in the rollout (all
-    but the last response column); every forward pass of the actor's update then sends each
-    recorded token to the recorded experts, although the routers moved (their native choices
-    after the update differ)."""
-    trainer, records = _moe_trainer(mode)
+    but the last response column; under dynamic sampling in each generation batch, joined as their
+    tokens are); every forward pass of the actor's update then sends each recorded token to the
+    recorded experts, although the routers moved (their native choices after the update differ)."""
+    trainer, records = _moe_trainer(mode, extra)
     replay = trainer.routing.replay
     actions = []
     begin = replay.begin
@@ -265,7 +268,7 @@ def test_the_update_routes_every_token_as_recorded(mode):
     assert routes.shape == (16, batch["input_ids"].shape[1], 2, 2) and routes.dtype == torch.int16
     if mode == "R2":
         assert (routes >= 0).all()
-    else:
+    elif not extra:
         assert (routes[:, -1] == -1).all() and (routes[:, :-1] >= 0).all()
     experts, _ = _experts_used(trainer.routing.replay)
     trainer.update(batch, timing)
@@ -282,13 +285,42 @@ def test_the_update_routes_every_token_as_recorded(mode):
     assert not torch.equal(native[kept], recorded[kept]), "the update moved the routing it replayed"
 
 
+def test_dynamic_samplings_joined_batches_keep_each_tokens_routes():
+    """Generation batches of different prompt and response widths joined (verl's filter_groups
+    concatenates theirs): each row's routes stay beside its tokens, the prompt part left-padded and
+    the response part right-padded with -1, where nothing was recorded."""
+    from refppo.rollout.prompts import sequence_batch
+    from refppo.training.dynamic_sampling import join_batches
+
+    torch.manual_seed(0)
+    parts = []
+    for rows, prompt, response in ((2, 3, 2), (1, 5, 4)):
+        prompts = torch.randint(1, 9, (rows, prompt))
+        responses = torch.randint(1, 9, (rows, response))
+        part = sequence_batch(prompts, torch.ones_like(prompts), responses, torch.ones_like(responses))
+        part["routed_experts"] = torch.randint(0, 8, (rows, prompt + response, 2, 2), dtype=torch.int16)
+        parts.append(part)
+    whole = join_batches(parts, pad_token_id=0)
+    width, length = 5, 4
+    assert whole["routed_experts"].shape == (3, width + length, 2, 2)
+    row = 0
+    for part in parts:
+        prompt = part["prompts"].shape[1]
+        response = part["responses"].shape[1]
+        for i, routes in enumerate(part["routed_experts"]):
+            expected = torch.full((width + length, 2, 2), -1, dtype=torch.int16)
+            expected[width - prompt : width + response] = routes
+            assert torch.equal(whole["routed_experts"][row], expected)
+            assert torch.equal(whole["input_ids"][row, width - prompt : width + response], part["input_ids"][i])
+            row += 1
+
+
 def test_router_replay_refuses_what_it_cannot_record_or_replay():
     from refppo.settings.config import Config, apply_overrides
     from refppo.settings.validate import validate
 
     refusals = {
         ("R2", "algorithm.rollout_correction.bypass_mode=true"): "records the routing in the old-log-prob pass",
-        ("R3", "algorithm.filter_groups.enable=true"): "does not join the routes",
         ("R3", "actor.calculate_sum_pi_squared=true"): "computes sum_pi_squared in a second pass",
         ("R3", "rollout.cuda_graphs=true"): "needs rollout.cuda_graphs off",
         ("R2", "model.compile_layers=true"): "needs model.compile_layers off",

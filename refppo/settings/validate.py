@@ -273,9 +273,8 @@ def _check_estimator_inputs(config: Config) -> None:
 
 def _check_router_replay(config: Config) -> None:
     """What ``actor.router_replay`` needs: R2 an old-log-prob pass to record in; R3 its routes
-    recorded in one rollout, replayed in one pass (no dynamic sampling's joined batches, no second
-    pass for sum_pi_squared); both routers that run in Python (no compiled layers, and for R3 no
-    CUDA-graph decoding)."""
+    replayed in the one pass that reads them (no second pass for sum_pi_squared); both routers
+    that run in Python (no compiled layers, and for R3 no CUDA-graph decoding)."""
     mode = config.actor.router_replay
     if mode == "disabled":
         return
@@ -286,11 +285,6 @@ def _check_router_replay(config: Config) -> None:
     )
     _require(not config.model.compile_layers, f"actor.router_replay={mode} needs model.compile_layers off (or null)")
     if mode == "R3":
-        _require(
-            not config.algorithm.filter_groups.enable,
-            "actor.router_replay=R3 with algorithm.filter_groups.enable=true: refppo does not join the routes of "
-            "dynamic sampling's generation batches",
-        )
         _require(
             not config.actor.calculate_sum_pi_squared,
             "actor.router_replay=R3 with actor.calculate_sum_pi_squared=true: refppo computes sum_pi_squared in a "

@@ -17,6 +17,7 @@ import torch
 
 from refppo.distributed import pad_width
 from refppo.rollout.prompts import sequence_batch
+from refppo.rollout.router_replay import UNRECORDED
 
 SCORE = "_score"  # the scores travel in the batch while it is cut and joined
 EXTRA = "_extra/"
@@ -44,7 +45,9 @@ def varied_groups(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def join_batches(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Rollout batches with the same keys as one: prompts left-padded to the widest, responses and
-    the other per-token tensors right-padded (with pad ids and 0), the sequence tensors rebuilt.
+    the other per-token tensors right-padded (with pad ids and 0), the sequence tensors rebuilt;
+    R3's ``routed_experts`` (b_i, P_i + R_i, L, k) padded as the tokens they route are, with -1
+    (nothing recorded: the pad positions route as the model does).
 
     Args:
         parts: batches in the layout of :func:`refppo.rollout.generation.generate`, each (b_i, P_i) and (b_i, R_i).
@@ -64,8 +67,12 @@ def join_batches(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dic
     responses = joined(lambda p: p["responses"], length, pad_token_id)
     whole = sequence_batch(prompts, prompt_mask, responses, joined(lambda p: p["response_mask"], length, 0))
     for key in parts[0]:
-        if key not in whole:
+        if key not in whole and key != "routed_experts":
             whole[key] = joined(itemgetter(key), length, 0)
+    if "routed_experts" in parts[0]:
+        prompt_routes = joined(lambda p: p["routed_experts"][:, : p["prompts"].shape[1]], width, UNRECORDED, left=True)
+        response_routes = joined(lambda p: p["routed_experts"][:, p["prompts"].shape[1] :], length, UNRECORDED)
+        whole["routed_experts"] = torch.cat([prompt_routes, response_routes], dim=1)
     return whole
 
 
