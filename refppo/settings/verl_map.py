@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from refppo.settings.conditions import CRITIC_FROM_ACTOR, critic_setting, critic_warmup
 from refppo.settings.config import Config, declarations, get_value
 from refppo.settings.validate import format_value, ignored_settings, read_settings
-from refppo.settings.verl_keys import ADDED, PARALLEL_SIZES, VALUES
+from refppo.settings.verl_keys import ADDED, PARALLEL_SIZES, TRANSFORMER_SETTINGS, VALUES
 from refppo.settings.verl_names import verl_key
 
 VERL_CONFIG_PACKAGE = "pkg://verl.trainer.config"  # where Hydra finds verl's own ppo_trainer
@@ -273,8 +273,9 @@ def _engine_items(key: str, value, engine: str | None) -> tuple[list[str], list[
         return [f"actor_rollout_ref.actor.{engine}.router_replay.mode={value}", *routes], []
     if key in ("actor.moe_aux_loss_coeff", "actor.moe_z_loss_coeff"):
         return _router_loss_items(key, value), []
-    if key.startswith("model.lora.") and key.endswith("_parallel_size"):  # Megatron's, which builds the adapters
-        return [f"actor_rollout_ref.actor.megatron.{key.rpartition('.')[2]}={format_value(value)}"], []
+    section, _, size = key.rpartition(".")
+    if section == "model.lora" and size in PARALLEL_SIZES:  # Megatron's, which builds the adapters
+        return [f"actor_rollout_ref.actor.megatron.{size}={format_value(value)}"], []
     if engine is not None and key.endswith(ENGINE_DEFAULTS_TAKEN[engine]):
         return [], []
     return None
@@ -283,7 +284,7 @@ def _engine_items(key: str, value, engine: str | None) -> tuple[list[str], list[
 def _router_loss_items(key: str, value) -> list[str]:
     """The verl settings of a Megatron router loss (``actor.moe_aux_loss_coeff``, ``actor.moe_z_loss_coeff``):
     Megatron-Bridge's path, which turns the load-balancing loss off unless its type is given; none for 0."""
-    section = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+    section = f"+{TRANSFORMER_SETTINGS['megatron']}"  # a key verl's configuration lacks
     if value == 0:
         return []
     if key == "actor.moe_z_loss_coeff":
