@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from refppo.rollout.layers import decoder_layers
 from refppo.rollout.models import (
     LoraDisabledReference,
     add_lora,
@@ -165,3 +166,18 @@ def test_unknown_model_path_and_arch(tok, tmp_path):
         load_value_model("some-org/some-model")
     with pytest.raises(ValueError, match="unknown tiny model arch 'gpt9'; valid: llama, qwen2"):
         tiny_config(tok, "gpt9")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decoder_layers_are_the_backbones_layers_of_a_causal_lm_and_a_scalar_head_model(tok, arch):
+    actor = load_causal_lm(tiny_config(tok, arch))
+    critic = load_value_model(tiny_config(tok, arch))
+    for model in (actor, critic):
+        layers = decoder_layers(model, needed_by="a test")
+        assert len(layers) == model.config.num_hidden_layers
+        assert all(a is b for a, b in zip(layers, model.base_model.layers))
+
+
+def test_a_model_without_decoder_layers_is_refused_naming_what_needs_them():
+    with pytest.raises(ValueError, match=r"^model.compile_layers: Linear has no decoder layers at .model.layers$"):
+        decoder_layers(torch.nn.Linear(2, 2), needed_by="model.compile_layers")

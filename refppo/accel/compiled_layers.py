@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from refppo.distributed import decoder_layers
+from refppo.rollout.layers import decoder_layers
 from refppo.rollout.models import base_model
 
 # Every kind of pass is one more graph of the layers' shared code (with gradients or not, trained or
@@ -43,7 +43,12 @@ class CompiledForward:
 
 def _layers(models) -> list[torch.nn.Module]:
     """The decoder layers of ``models`` (None skipped), each once (a LoRA reference shares the actor's)."""
-    layers = {id(layer): layer for model in models if model is not None for layer in decoder_layers(base_model(model))}
+    layers = {}
+    for model in models:
+        if model is None:
+            continue
+        for layer in decoder_layers(base_model(model), needed_by="model.compile_layers"):
+            layers[id(layer)] = layer
     return list(layers.values())
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from refppo.rollout.layers import decoder_layers
+
 
 @dataclass(frozen=True)
 class World:
@@ -107,7 +109,7 @@ def shard(model, world: World):
     # The passes return views (logits[..., -1], value heads); refppo never writes into them in place,
     # which is what FSDP2 warns about.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model, needed_by="sharding over processes"):
         fully_shard(layer, mp_policy=policy)
     # The root too gives back its whole parameters after each pass (as verl's FSDP2 does; FSDP2
     # would keep them for the backward): outside a pass every parameter is its shard, so an
@@ -119,15 +121,6 @@ def shard(model, world: World):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
     return model
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The decoder layers of a causal LM or a scalar-head model (``model.layers`` of its backbone)."""
-    base = model.base_model if hasattr(model, "base_model") else model
-    layers = getattr(getattr(base, "model", base), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers: it cannot be sharded")
-    return list(layers)
 
 
 class Unsharded:

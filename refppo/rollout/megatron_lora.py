@@ -40,6 +40,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from refppo.rollout.layers import decoder_layers
 from refppo.settings.config import MEGATRON_LORA_INITS, MEGATRON_LORA_TARGETS, MegatronLoraConfig
 
 # Hugging Face's separate projections under each of Megatron's fused maps, in row order
@@ -301,14 +302,6 @@ def _mlp_plan(mlp, targets: tuple[str, ...], where: str) -> list[tuple]:
     return plan
 
 
-def decoder_layers_of(model) -> list[torch.nn.Module]:
-    """The decoder layers of a Hugging Face causal LM (``model.model.layers``)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"model.lora.rank > 0: {type(model).__name__} has no decoder layers at .model.layers")
-    return list(layers)
-
-
 def add_megatron_lora(model, lora: MegatronLoraConfig):
     """Give a causal LM Megatron-Bridge's LoRA adapters, in place; only the adapters train.
 
@@ -338,7 +331,7 @@ def add_megatron_lora(model, lora: MegatronLoraConfig):
     for method in (lora.lora_A_init_method, lora.lora_B_init_method):
         _check_init_method(method)
     plan = []
-    for i, layer in enumerate(decoder_layers_of(model)):
+    for i, layer in enumerate(decoder_layers(model, needed_by="model.lora.rank > 0")):
         plan += _attention_plan(getattr(layer, "self_attn", None), targets, f"layer {i}'s attention")
         plan += _mlp_plan(getattr(layer, "mlp", None), targets, f"layer {i}'s mlp")
     built = []  # every adapter first: a size the parallel sizes do not divide is refused here
