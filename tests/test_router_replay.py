@@ -18,7 +18,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from refppo.rollout.forward import ForwardPasses, response_log_probs
 from refppo.rollout.generation import generate
-from refppo.rollout.router_replay import ROUTERS, RouterReplay, replayed_weights, replaying_passes
+from refppo.rollout.router_replay import ROUTERS, RouterReplay, Routing, replayed_weights, replaying_passes
 
 # each router class's module and config class in transformers
 ROUTER_MODELS = {
@@ -183,6 +183,36 @@ def test_the_rollouts_routes_are_the_passes_but_the_last_token():
     assert torch.equal(rollout[:, :-1][valid], full[:, :-1][valid])
 
 
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_sum_pi_squared_is_routed_as_the_old_log_probs(mode):
+    """verl computes sum_pi_squared in the old-log-prob pass; refppo's second pass replays that
+    pass's routing (R2: recorded in it; R3: the rollout's). Against one plain forward pass of the
+    whole batch with every router sent to the same experts: the same log-probs and sum_v pi_v^2.
+    Under R3 the rollout's routes (here drawn at random) differ from the routers' own choices."""
+    model = tiny_moe()
+    routing = Routing(model, mode)
+    passes = routing.passes(ForwardPasses())
+    batch = _batch()
+    if mode == "R3":
+        batch["routed_experts"] = torch.randint(0, 8, (3, 9, 2, 2), generator=torch.Generator().manual_seed(2))
+        batch["routed_experts"] = batch["routed_experts"].to(torch.int16)
+    with routing.old_log_prob_pass(batch) as routed:
+        log_probs = passes.compute_log_probs(model, routed, 0.7, micro_batch_size=2)
+    with routing.replaying():
+        sum_pi_squared = passes.compute_sum_pi_squared(model, batch, 0.7, micro_batch_size=1)
+    replay = routing.replay
+    with torch.no_grad(), replay.replaying():
+        replay.begin(batch)
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    mask = batch["response_mask"].bool()
+    probs = (logits.logits[:, 4:-1].double() / 0.7).softmax(-1)
+    expected_log_probs = probs.log().gather(-1, batch["responses"][..., None])[..., 0] * mask
+    torch.testing.assert_close(log_probs.double(), expected_log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sum_pi_squared.double(), (probs**2).sum(-1) * mask, rtol=0, atol=1e-6)
+    own_routing = passes.compute_sum_pi_squared(model, batch, 0.7)
+    assert torch.allclose(own_routing, sum_pi_squared) == (mode == "R2")
+
+
 def test_a_model_without_a_replayable_router_is_refused():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -249,7 +279,10 @@ def _update_targets(trainer, batch) -> list[torch.Tensor]:
 DYNAMIC_SAMPLING = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward")
 
 
-@pytest.mark.parametrize(("mode", "extra"), [("R2", ()), ("R3", ()), ("R3", DYNAMIC_SAMPLING)])
+SUM_PI_SQUARED = ("actor.calculate_sum_pi_squared=true",)
+
+
+@pytest.mark.parametrize(("mode", "extra"), [("R2", ()), ("R3", ()), ("R3", DYNAMIC_SAMPLING), ("R3", SUM_PI_SQUARED)])
 def test_the_update_routes_every_token_as_recorded(mode, extra):
     """The trainer's step: R2 records the routing in the old-log-prob pass, R3 in the rollout (all
     but the last response column; under dynamic sampling in each generation batch, joined as their
@@ -262,8 +295,10 @@ def test_the_update_routes_every_token_as_recorded(mode, extra):
     replay.begin = lambda mb: actions.append(replay.action) or begin(mb)
     timing = {}
     batch, _ = trainer.make_experience(records, timing)
-    # the old-log-prob pass's micro-batches (the reference's pass, with no KL here, does not run)
+    # the old-log-prob pass, one micro-batch (the reference's pass, with no KL here, does not run),
+    # and with sum_pi_squared that pass too
     assert actions and set(actions) == {"record" if mode == "R2" else "replay"}, actions
+    assert len(actions) == (2 if extra == SUM_PI_SQUARED else 1), actions
     routes = batch["routed_experts"]
     assert routes.shape == (16, batch["input_ids"].shape[1], 2, 2) and routes.dtype == torch.int16
     if mode == "R2":
@@ -321,7 +356,6 @@ def test_router_replay_refuses_what_it_cannot_record_or_replay():
 
     refusals = {
         ("R2", "algorithm.rollout_correction.bypass_mode=true"): "records the routing in the old-log-prob pass",
-        ("R3", "actor.calculate_sum_pi_squared=true"): "computes sum_pi_squared in a second pass",
         ("R3", "rollout.cuda_graphs=true"): "needs rollout.cuda_graphs off",
         ("R2", "model.compile_layers=true"): "needs model.compile_layers off",
     }

@@ -162,10 +162,11 @@ class ForwardPasses:
 
     These are the plain ones. :func:`refppo.accel.select` builds one whose ``log_probs`` (one
     micro-batch's, as :func:`response_log_probs`) or ``micro_batches`` are faster or leaner, for
-    the same numbers.
+    the same numbers. ``sum_pi_squared`` is one micro-batch's :func:`response_sum_pi_squared`.
     """
 
     log_probs: LogProbsFn = response_log_probs
+    sum_pi_squared: Callable[..., torch.Tensor] = response_sum_pi_squared
 
     def micro_batches(self, batch: dict[str, torch.Tensor], rows: int | None) -> list[tuple[torch.Tensor | None, dict]]:
         """The batch in micro-batches of ``rows`` rows (None: one).
@@ -229,7 +230,7 @@ class ForwardPasses:
     ) -> torch.Tensor:
         """The actor's sum_v pi_v^2 at each response token (:func:`response_sum_pi_squared`),
         without gradients; (B, R) float32, 0 at padding."""
-        return self.per_row(lambda mb: [response_sum_pi_squared(model, mb, temperature)], batch, micro_batch_size)[0]
+        return self.per_row(lambda mb: [self.sum_pi_squared(model, mb, temperature)], batch, micro_batch_size)[0]
 
     @torch.no_grad()
     def compute_values(

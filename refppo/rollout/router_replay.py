@@ -181,19 +181,27 @@ class RouterReplay:
 
 
 def replaying_passes(passes, replay: RouterReplay):
-    """``passes`` (:class:`refppo.rollout.forward.ForwardPasses`) whose log-prob function tells
-    ``replay`` about each micro-batch before its forward pass and after it, so that a pass or an
-    update inside :meth:`RouterReplay.recording` or :meth:`RouterReplay.replaying` records or
-    replays it."""
-    inner = passes.log_probs
+    """``passes`` (:class:`refppo.rollout.forward.ForwardPasses`) whose log-prob and sum_pi_squared
+    functions tell ``replay`` about each micro-batch before its forward pass and after it, so that
+    a pass or an update inside :meth:`RouterReplay.recording` or :meth:`RouterReplay.replaying`
+    records or replays it."""
+    return dataclasses.replace(
+        passes,
+        log_probs=_telling(replay, passes.log_probs),
+        sum_pi_squared=_telling(replay, passes.sum_pi_squared),
+    )
 
-    def log_probs(model, mb, *args, **kwargs):
+
+def _telling(replay: RouterReplay, pass_fn):
+    """``pass_fn(model, mb, ...)`` with ``replay`` told about ``mb`` before and after it."""
+
+    def told(model, mb, *args, **kwargs):
         replay.begin(mb)
-        result = inner(model, mb, *args, **kwargs)
+        result = pass_fn(model, mb, *args, **kwargs)
         replay.end(mb)
         return result
 
-    return dataclasses.replace(passes, log_probs=log_probs)
+    return told
 
 
 class Routing:
@@ -202,7 +210,8 @@ class Routing:
 
     - :meth:`sampling` / :meth:`keep_rollout_routes`: R3 records the rollout's routing;
     - :meth:`old_log_prob_pass`: R2 records the pass's routing, R3 replays the rollout's;
-    - :meth:`update`: R2 and R3 replay the batch's ``routed_experts`` in the actor's update;
+    - :meth:`replaying`: R2 and R3 replay the batch's ``routed_experts`` in the actor's update and
+      in sum_pi_squared's pass;
     - :meth:`passes`: the actor's forward passes, telling the routers about each micro-batch.
 
     Args:
@@ -243,6 +252,7 @@ class Routing:
         else:
             yield batch
 
-    def update(self) -> contextlib.AbstractContextManager:
-        """The actor's update: its micro-batches' ``routed_experts`` replayed under R2 and R3."""
+    def replaying(self) -> contextlib.AbstractContextManager:
+        """Passes after the old-log-prob pass, each micro-batch's ``routed_experts`` replayed under
+        R2 and R3: the actor's update, and sum_pi_squared's pass, routed as the old log-probs were."""
         return contextlib.nullcontext() if self.replay is None else self.replay.replaying()

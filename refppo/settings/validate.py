@@ -272,9 +272,8 @@ def _check_estimator_inputs(config: Config) -> None:
 
 
 def _check_router_replay(config: Config) -> None:
-    """What ``actor.router_replay`` needs: R2 an old-log-prob pass to record in; R3 its routes
-    replayed in the one pass that reads them (no second pass for sum_pi_squared); both routers
-    that run in Python (no compiled layers, and for R3 no CUDA-graph decoding)."""
+    """What ``actor.router_replay`` needs: R2 an old-log-prob pass to record in; both routers that
+    run in Python (no compiled layers, and for R3 no CUDA-graph decoding)."""
     mode = config.actor.router_replay
     if mode == "disabled":
         return
@@ -285,11 +284,6 @@ def _check_router_replay(config: Config) -> None:
     )
     _require(not config.model.compile_layers, f"actor.router_replay={mode} needs model.compile_layers off (or null)")
     if mode == "R3":
-        _require(
-            not config.actor.calculate_sum_pi_squared,
-            "actor.router_replay=R3 with actor.calculate_sum_pi_squared=true: refppo computes sum_pi_squared in a "
-            "second pass, which does not replay the rollout's routing",
-        )
         _require(not config.rollout.cuda_graphs, "actor.router_replay=R3 needs rollout.cuda_graphs off (or null)")
 
 

@@ -421,8 +421,9 @@ class PPOTrainer:
             micro = c.rollout.log_prob_micro_batch_size_per_gpu
             with self.routing.old_log_prob_pass(batch) as routed:
                 old_log_probs, entropy = passes.compute_log_probs(self.actor, routed, temperature, micro, True)
-            if c.actor.calculate_sum_pi_squared:  # verl computes it in the same pass; here a second one
-                batch["sum_pi_squared"] = passes.compute_sum_pi_squared(self.actor, batch, temperature, micro)
+            if c.actor.calculate_sum_pi_squared:  # verl computes it in the same pass; here a second one, routed alike
+                with self.routing.replaying():
+                    batch["sum_pi_squared"] = passes.compute_sum_pi_squared(self.actor, batch, temperature, micro)
         batch["old_log_probs"] = old_log_probs
         return entropy
 
@@ -494,7 +495,7 @@ class PPOTrainer:
             critic_stats = self.update_model(self.learners["critic"], self._critic_loss, batch, timing)
         actor_stats = []
         if self.step >= critic_only_steps(critic_warmup(self.config)):
-            with self.routing.update():
+            with self.routing.replaying():
                 actor_stats = self.update_model(self.learners["actor"], self._actor_loss, batch, timing)
         return critic_stats, actor_stats
 
