@@ -56,6 +56,27 @@ def test_sft_writes_a_run_folder(sft_run):
     )
 
 
+@pytest.mark.parametrize("shown", [False, True])
+def test_transformers_save_bar_follows_trainer_progress_bar(tmp_path, capsys, shown):
+    """save_pretrained's "Writing model shards" bar shows only with trainer.progress_bar, and
+    transformers' own switch is as it was after the run."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    out = tmp_path / "sft"
+    settings = [f"trainer.output_dir={out}", "sft.steps=1", "sft.batch_size=8", f"trainer.progress_bar={shown}"]
+    assert main(["sft", *settings, *TINY]) == 0
+    assert ("Writing model shards" in capsys.readouterr().err) == shown
+    assert hf_logging.is_progress_bar_enabled()
+
+
+def test_a_second_sft_run_into_a_used_folder_is_refused_without_a_resume_it_cannot_do(sft_run):
+    """sft saves no checkpoints and does not read trainer.resume, so its refusal does not offer it
+    (ppo's does: test_ppo_run_resume_and_refusal)."""
+    with pytest.raises(FileExistsError, match=r"already holds a run; pick a new trainer.output_dir$"):
+        main(["sft", f"trainer.output_dir={sft_run}", "sft.steps=3", "sft.batch_size=8", *TINY])
+
+
 def test_the_sft_held_out_score_is_the_ppo_runs_first(tmp_path, capsys):
     """The SFT summary's held-out score is what a PPO run from its model logs at step 0 (the
     preference task's gold reward: a continuous score that tells responses apart)."""
@@ -87,7 +108,7 @@ def test_ppo_run_resume_and_refusal(sft_run, tmp_path, capsys):
     assert (out / "latest").read_text() == "2" and (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
     assert (out / "actor" / "config.json").exists()
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(FileExistsError, match="already holds a run"):
+    with pytest.raises(FileExistsError, match="already holds a run; .* or set trainer.resume=true to continue it"):
         main(args)
     assert (out / "metrics.jsonl").read_text() == before  # untouched
     # Resume to step 3: the first lines stay, one line is added.
@@ -575,13 +596,19 @@ def test_bad_config_and_paths(tmp_path, capsys):
         main(["ppo", f"trainer.output_dir={out}"])
     with pytest.raises(ValueError, match="missing: no such folder"):
         main(["ppo", f"model.path={tmp_path}/missing", f"trainer.output_dir={out}"])
+    hub_id = r"model.path=Qwen/Qwen2.5-0.5B-Instruct: no such folder; .* never downloads: for a hub id, save it"
+    with pytest.raises(ValueError, match=hub_id):
+        main(["ppo", "model.path=Qwen/Qwen2.5-0.5B-Instruct", f"trainer.output_dir={out}"])
     with pytest.raises(ValueError, match=r"trainer.output_dir= has no value: give one, or drop trainer.output_dir"):
         main(["ppo", f"model.path={tmp_path}", "trainer.output_dir="])
     with pytest.raises(ValueError, match=r"critic.model.path= has no value: give one \(or null\)"):
         main(["ppo", f"model.path={tmp_path}", "critic.model.path= ", f"trainer.output_dir={out}"])
     assert not out.exists()
     assert main([]) == 2
-    assert main(["--help"]) == 0 and "refppo COMMAND --help" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert "refppo COMMAND --help" in printed and "Settings take refppo's short keys" in printed
+    assert "``" not in printed and ":mod:" not in printed, "the help is plain text, not reStructuredText"
     with pytest.raises(ValueError, match=r"data.task=file needs data.train_files \(JSONL or Parquet\)"):
         main(["sft", "data.task=file", f"trainer.output_dir={out}"])
     assert main(["PPO"]) == 2

@@ -115,6 +115,9 @@ def test_the_command(tmp_path, capsys):
     assert main(["doctor"]) == 2
     with pytest.raises(ValueError, match="is not a refppo run folder"):
         main(["doctor", str(tmp_path)])
+    sft = write_run(tmp_path / "sft", [{"step": 1, "sft/loss": 2.0, "sft/lr": 1e-3}, {"step": 1, "val/score": 0.5}])
+    with pytest.raises(ValueError, match="sft is an SFT run: refppo doctor reads the failure signatures of refppo ppo"):
+        main(["doctor", str(sft)])
     (bad / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         main(["doctor", str(bad)])

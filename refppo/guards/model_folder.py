@@ -18,6 +18,13 @@ HEAD_CLASSES = ("ForTokenClassification", "ForSequenceClassification")  # a crit
 POSITION_FIELDS = ("max_position_embeddings", "n_positions")
 
 
+# A missing model folder's fix: refppo never downloads, so a hub id needs a local copy first.
+OFFLINE = (
+    "refppo loads models offline from a folder written by save_pretrained and never downloads: for a "
+    "hub id, save it where the hub is reachable (from_pretrained(id).save_pretrained(folder)) and pass the folder"
+)
+
+
 def _fail(key: str, path: str, problem: str, fix: str) -> None:
     raise ValueError(f"{key}={path}: {problem}; {fix}")
 
@@ -97,7 +104,7 @@ def check_model_folder(
     """
     folder, path = Path(path), os.fspath(path)
     if not folder.exists():
-        _fail(key, path, "no such folder", "refppo loads models offline from a folder written by save_pretrained")
+        _fail(key, path, "no such folder", OFFLINE)
     if not folder.is_dir():
         _fail(key, path, "is a file, not a model folder", "point at the folder that holds config.json")
     fix = _refppo_folder_fix(folder)

@@ -29,6 +29,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from refppo.guards.checks import check_choice
+from refppo.guards.model_folder import OFFLINE
 from refppo.rollout.megatron_lora import adapters_disabled, has_megatron_lora
 
 TINY_ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
@@ -127,10 +128,7 @@ def _config_without_dropout(
     else:
         path = os.fspath(source)
         if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"no model folder at {path!r}; refppo loads models offline from a local folder "
-                "written by save_pretrained (or pass a transformers config)"
-            )
+            raise FileNotFoundError(f"no model folder at {path!r}; {OFFLINE} (or pass a transformers config)")
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):

@@ -19,7 +19,9 @@ a setting of verl's engine is noted and has no effect (:mod:`refppo.settings.ver
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -179,13 +181,30 @@ def _tokenizer(path: str | None, key: str, trust_key: str, trusted: bool):
         ) from None
 
 
-def _save_model(model, tokenizer, folder: Path, world: World) -> None:
+def _save_model(model, tokenizer, folder: Path, world: World, *, progress_bar: bool) -> None:
     """``save_pretrained`` of a model and its tokenizer; with several processes the model's shards
-    are gathered first and the first process writes."""
+    are gathered first and the first process writes. transformers' own bar ("Writing model
+    shards") shows only with ``trainer.progress_bar``, as refppo's do."""
     state = full_state_dict(model, world)
     if world.main:
-        model.save_pretrained(folder, state_dict=state)
+        with _transformers_bars(shown=progress_bar):
+            model.save_pretrained(folder, state_dict=state)
         tokenizer.save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def _transformers_bars(shown: bool):
+    """transformers' progress bars off inside unless ``shown``; as they were after."""
+    from transformers.utils import logging as hf_logging  # not at the top: --help answers without it
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def run_sft(config: Config, make_run, world: World, device: torch.device) -> None:
@@ -228,7 +247,7 @@ def run_sft(config: Config, make_run, world: World, device: torch.device) -> Non
         world=world,
         chat_template_kwargs=config.data.apply_chat_template_kwargs,
     )
-    _save_model(model, tokenizer, run.path / "model", world)
+    _save_model(model, tokenizer, run.path / "model", world, progress_bar=config.trainer.progress_bar)
     held_out = {}
     if held:
         kwargs = config.data.apply_chat_template_kwargs
@@ -336,7 +355,7 @@ def run_rm(config: Config, make_run, world: World, device: torch.device) -> None
     if r.center:
         prompts, responses = [p for p, _ in centre_on], [response for _, response in centre_on]
         center_reward_model(rm, tokenizer, prompts, responses, chat_template_kwargs=kwargs)
-    _save_model(rm, tokenizer, run.path / "model", world)
+    _save_model(rm, tokenizer, run.path / "model", world, progress_bar=config.trainer.progress_bar)
     if held:
         run.log(r.steps, held_out_comparisons(rm, tokenizer, held, chat_template_kwargs=kwargs))
 
@@ -421,9 +440,9 @@ def run_ppo(config: Config, make_run, world: World, device: torch.device) -> Non
         save_megatron_lora(actor, run.path / "actor_adapter")
         actor = merge_megatron_lora(actor)
     elif is_lora(actor):
-        _save_model(actor, tokenizer, run.path / "actor_adapter", world)
+        _save_model(actor, tokenizer, run.path / "actor_adapter", world, progress_bar=config.trainer.progress_bar)
         actor = actor.merge_and_unload()
-    _save_model(actor, tokenizer, run.path / "actor", world)
+    _save_model(actor, tokenizer, run.path / "actor", world, progress_bar=config.trainer.progress_bar)
 
 
 def _ppo_actor(config: Config, tokenizer, device: torch.device):
@@ -528,7 +547,7 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
                 f"refppo: error: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}, plot, doctor", file=out
             )
         else:
-            print(__doc__, file=out)
+            print(_as_plain_text(__doc__), file=out)
         print(
             f"usage: refppo {{{'|'.join(COMMANDS)}}} [section.key=value ...]   (refppo COMMAND --help: its settings)\n"
             "       refppo plot RUN [RUN ...] -m METRIC -o FILE\n       refppo doctor RUN [RUN ...]",
@@ -557,7 +576,7 @@ def main(argv: list[str] | None = None, on_start=None) -> int:
     # Before any work: a run is never written over another, and a resume finds a checkpoint
     # that loads and the same settings (an empty or missing folder starts fresh). The first
     # process looks, the others take its answer.
-    resume = broadcast(_checked_folder(out, config) if world.main else None, world)
+    resume = broadcast(_checked_folder(out, config, command) if world.main else None, world)
     if isinstance(resume, Exception):
         raise resume
     try:
@@ -589,14 +608,21 @@ def _run_command(command: str, config: Config, resume, world: World, device: tor
             run.close(ok)
 
 
-def _checked_folder(out: str, config: Config):
+def _as_plain_text(docstring: str) -> str:
+    """A reStructuredText docstring as a terminal shows it: roles (``:mod:`x```) and literals
+    (````x````) as their bare text, a literal block's ``::`` as ``:``."""
+    text = re.sub(r":\w+:`([^`]+)`", r"\1", docstring)
+    return text.replace("``", "").replace("::\n", ":\n")
+
+
+def _checked_folder(out: str, config: Config, command: str):
     """:func:`refppo.runs.folder.check_resume`'s answer for ``out`` (None: a fresh run in a free folder),
     or the error refusing it, to pass to the other processes."""
     try:
         check_writable(out)
         resume = check_resume(out, config) if config.trainer.resume else None
         if resume is None:
-            check_free(out)
+            check_free(out, resumable=command in declarations(config)["trainer.resume"].commands)
         return resume
     except (ValueError, OSError) as error:
         return error

@@ -182,7 +182,8 @@ def diagnose_run(path: str | Path) -> list[Finding]:
     """:func:`diagnose` of a run folder: its ``config.json`` and ``metrics.jsonl``.
 
     Raises:
-        ValueError: a folder that is not a refppo run, or damaged files (named by file and line).
+        ValueError: a folder that is not a refppo run, an SFT or reward-model run (the signatures
+            are PPO's), or damaged files (named by file and line).
     """
     from refppo.runs.folder import load_metrics
 
@@ -193,7 +194,12 @@ def diagnose_run(path: str | Path) -> list[Finding]:
         config = config_from_dict(json.loads((path / "config.json").read_text()))
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"{path / 'config.json'} is not a refppo config: {error}") from None
-    return diagnose(load_metrics(path), config)
+    rows = load_metrics(path)
+    stages = {"sft/loss": "an SFT run", "rm/loss": "a reward-model run"}
+    for key, stage in stages.items():
+        if any(key in row for row in rows):
+            raise ValueError(f"{path} is {stage}: refppo doctor reads the failure signatures of refppo ppo runs")
+    return diagnose(rows, config)
 
 
 def run_doctor(argv: list[str]) -> int:

@@ -68,13 +68,12 @@ def check_writable(path: str | os.PathLike) -> None:
         )
 
 
-def check_free(path: str | os.PathLike) -> None:
-    """Raise FileExistsError if ``path`` already holds a run (a non-empty folder)."""
+def check_free(path: str | os.PathLike, resumable: bool = True) -> None:
+    """Raise FileExistsError if ``path`` already holds a run (a non-empty folder); the message
+    offers ``trainer.resume=true`` only where the command reads it (``resumable``)."""
     if holds_run(path):
-        raise FileExistsError(
-            f"run folder {str(path)!r} already holds a run; pick a new trainer.output_dir "
-            "or set trainer.resume=true to continue it"
-        )
+        resume = " or set trainer.resume=true to continue it" if resumable else ""
+        raise FileExistsError(f"run folder {str(path)!r} already holds a run; pick a new trainer.output_dir{resume}")
 
 
 @dataclass
