@@ -377,7 +377,7 @@ def adapters_disabled(model) -> Iterator[None]:
 @torch.no_grad()
 def merge_megatron_lora(model):
     """Fold every adapter into the weights it adapts and remove it, in place: a projection's weight
-    gains its rows of alpha / rank x B A, every expert's weights the whole of it.
+    gains its rows of alpha / rank x B A, each expert's weights the whole of its group's adapter.
 
     Args:
         model: a model :func:`add_megatron_lora` adapted.
@@ -386,15 +386,16 @@ def merge_megatron_lora(model):
         ``model``, a plain Hugging Face model of the same outputs.
     """
     for parent in list(model.modules()):
-        for name in [target for target in MEGATRON_LORA_TARGETS if hasattr(parent, f"{target}_lora")]:
+        names = [target for target in MEGATRON_LORA_TARGETS if hasattr(parent, f"{target}_lora")]
+        for name in names:
             adapter = getattr(parent, f"{name}_lora")
             if _is_experts(parent):
                 _merge_experts(parent, name, adapter)
             else:
                 _merge_linears(parent, name, adapter)
             delattr(parent, f"{name}_lora")
-        if "forward" in vars(parent):
-            del parent.forward
+        if names and _is_experts(parent):
+            del parent.forward  # add_megatron_lora's _experts_forward: the class's own again
     del model.megatron_lora
     return model
 
