@@ -14,6 +14,8 @@ from refppo.settings.verl_keys import ADDED, PARALLEL_SIZES, TRANSFORMER_SETTING
 from refppo.settings.verl_names import verl_key
 
 VERL_CONFIG_PACKAGE = "pkg://verl.trainer.config"  # where Hydra finds verl's own ppo_trainer
+# Megatron's router-loss coefficients, refppo's actor settings of the same names
+ROUTER_LOSS_SETTINGS = ("actor.moe_aux_loss_coeff", "actor.moe_z_loss_coeff")
 TINY = "the shape of a fresh tiny model (model.path=null); verl always loads a checkpoint"
 OWN_COMMAND = "refppo's own {} command; verl trains {} with a separate program"
 # refppo settings with no verl counterpart, and why
@@ -40,9 +42,9 @@ REFPPO_ONLY = {
     "read in the engine the line picks (--print-verl gives the engine)",
     "model.compile_layers": "refppo's own; verl's torchtitan engine compiles each layer under use_torch_compile",
     **{
-        f"actor.{name}": f"Megatron's router loss a Megatron line turns on (its {name}), refused on a "
+        key: f"Megatron's router loss a Megatron line turns on (its {key.removeprefix('actor.')}), refused on a "
         "mixture-of-experts actor"
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+        for key in ROUTER_LOSS_SETTINGS
     },
     **{
         f"model.lora.{size}": f"Megatron's parallel size the LoRA adapters are built under: verl's "
@@ -271,7 +273,7 @@ def _engine_items(key: str, value, engine: str | None) -> tuple[list[str], list[
                         "differ from these settings"]  # fmt: skip
         routes = ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"] if value == "R3" else []
         return [f"actor_rollout_ref.actor.{engine}.router_replay.mode={value}", *routes], []
-    if key in ("actor.moe_aux_loss_coeff", "actor.moe_z_loss_coeff"):
+    if key in ROUTER_LOSS_SETTINGS:
         return _router_loss_items(key, value), []
     section, _, size = key.rpartition(".")
     if section == "model.lora" and size in PARALLEL_SIZES:  # Megatron's, which builds the adapters
