@@ -21,6 +21,9 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+# How a loss that is the mean over every row of its batch, empty rows included (GMPO's torch.mean in
+# verl 0.9), weighs into its mini-batch: a registered loss's ``aggregates``, never a loss_agg_mode.
+ROW_MEAN = "row-mean"
 
 
 @checks_once
@@ -93,7 +96,9 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     token-mean weighs by the share of valid tokens, token-sum by 1, and sequence means by the
     micro-batch's non-empty rows over every row of the mini-batch. verl's engine divides a sequence
     mean by ``global_batch_size``, the mini-batch's rows (``verl/trainer/ppo/ray_trainer.py``,
-    ``_update_actor``), so a row that rejection sampling emptied still counts.
+    ``_update_actor``), so a row that rejection sampling emptied still counts. :data:`ROW_MEAN`, a
+    mean over every row of the micro-batch, weighs by its rows over the mini-batch's, so the sum is
+    the mean over the mini-batch's rows, empty ones included.
 
     Args:
         micro_mask: (micro, T') 0/1, rows of the mini-batch (T' <= T: a micro-batch cut to its
@@ -103,7 +108,7 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
     Returns:
         Scalar tensor.
     """
-    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    check_choice("loss_agg_mode", loss_agg_mode, (*LOSS_AGG_MODES, ROW_MEAN))
     check_ndim("micro_mask", micro_mask, 2)
     check_ndim("mini_mask", mini_mask, 2)
     if micro_mask.shape[0] > mini_mask.shape[0] or micro_mask.shape[1] > mini_mask.shape[1]:
@@ -117,6 +122,8 @@ def agg_loss_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, loss_agg_
         return torch.ones((), dtype=dtype, device=micro_mask.device)
     if loss_agg_mode == "token-mean":
         return micro_mask.sum().to(dtype) / mini_mask.sum()
+    if loss_agg_mode == ROW_MEAN:
+        return torch.tensor(micro_mask.shape[0] / mini_mask.shape[0], dtype=dtype, device=micro_mask.device)
     return (micro_mask.sum(dim=-1) > 0).sum().to(dtype) / mini_mask.shape[0]
 
 

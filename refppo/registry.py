@@ -42,7 +42,8 @@ class Registry:
                 (e.g. ``("clip_ratio", "clip_ratio_low")``); None (a function that does not say)
                 lets every such setting through.
             aggregates: for a loss that aggregates with one mode whatever ``loss_agg_mode`` it is
-                given (verl's GSPO, SAPO, GMPO), that mode; None: the mode it is given.
+                given (verl's GSPO and SAPO), that mode, or ``refppo.losses.ROW_MEAN`` for a mean over
+                the rows (GMPO's); None: the mode it is given.
         """
 
         def decorator(fn: Callable) -> Callable:

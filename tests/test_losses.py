@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from refppo.losses import (
     LOSS_AGG_MODES,
+    ROW_MEAN,
     agg_loss,
     agg_loss_weight,
     compute_policy_loss,
@@ -303,3 +304,17 @@ def test_micro_batch_weights_rebuild_the_mini_batch_loss(b, kind, n_micro):
                 continue  # a micro-batch with no valid token contributes nothing
             total += (agg_loss_weight(mask[rows], mask, mode) * agg_loss(loss_mat[rows], mask[rows], mode)).item()
         assert math.isclose(total, whole.item(), rel_tol=1e-9, abs_tol=1e-12), mode
+
+
+@given(batches(), st.sampled_from(["ragged", "holes", "with_empty_rows"]), st.integers(1, 4))
+def test_row_mean_weights_rebuild_the_mean_over_every_row(b, kind, n_micro):
+    """ROW_MEAN, a loss that is the mean over every row of its batch (GMPO's), empty rows included:
+    sum of weight * (mean over the micro-batch's rows) == the mean over the mini-batch's rows."""
+    gen, batch, length, _ = b
+    mask = make_mask(kind, batch, length, gen)
+    row_losses = torch.randn(batch, generator=gen, dtype=torch.float64) * (mask.sum(-1) > 0)
+    total = 0.0
+    for rows in torch.arange(batch).tensor_split(n_micro):
+        if len(rows):
+            total += (agg_loss_weight(mask[rows], mask, ROW_MEAN) * row_losses[rows].mean()).item()
+    assert math.isclose(total, row_losses.mean().item(), rel_tol=1e-9, abs_tol=1e-12)

@@ -722,6 +722,30 @@ def test_geo_mean_is_verls(seed):
     assert metrics["actor/pg_clipfrac"].item() == pytest.approx(want.item(), abs=1e-8)
 
 
+@pytest.mark.parametrize("micro_rows", [B, 2, 1])
+def test_geo_mean_micro_batches_rebuild_verls_mean_over_every_row_empty_ones_included(micro_rows):
+    """verl 0.9's ``compute_policy_loss_geo_mean`` (``verl/trainer/ppo/core_algos.py``) ends with
+    ``torch.mean(pg_losses)``: a row that rejection sampling emptied adds a loss of 0 and still
+    counts in the denominator. The registry's weights (``aggregates``, as the update reads them) put
+    the micro-batches' losses back together into that one-batch number, however the batch is split."""
+    from refppo.algorithms.verl_losses import geo_mean_loss
+    from refppo.guards.checks import value_checks
+    from refppo.losses import agg_loss_weight
+    from refppo.registry import ConfigView
+
+    old, new, adv, mask = _loss_inputs(7, scale=0.5)
+    mask[1] = 0.0  # two rows emptied, as sequence-level rejection sampling empties them
+    mask[4] = 0.0
+    config = ConfigView(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.2)
+    mode = POLICY_LOSSES.aggregation("geo_mean", "token-mean")
+    total = 0.0
+    with value_checks(False):  # as in the update: a micro-batch of one emptied row is no error there
+        for rows in torch.arange(B).split(micro_rows):
+            loss, _ = geo_mean_loss(old[rows], new[rows], adv[rows], mask[rows], "token-mean", config)
+            total += agg_loss_weight(mask[rows], mask, mode) * loss
+    assert total.item() == pytest.approx(ref_geo_mean(old, new.detach(), adv, mask, 0.1, 0.2), rel=1e-12)
+
+
 def test_geo_mean_of_one_token_responses_is_ppos_loss_with_a_sequence_mean():
     """With one token per response, the geometric mean is that token's ratio, and the pessimistic
     log-space clip is PPO's clip: the same loss as PPO's (no dual clip), averaged over sequences."""

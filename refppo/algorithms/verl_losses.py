@@ -13,7 +13,7 @@ import torch
 from refppo.functional import masked_mean, masked_sum
 from refppo.guards.checks import check_choice, check_number, checks_once
 from refppo.guards.inputs import check_loss_inputs, check_pair_inputs, clip_bounds
-from refppo.losses import CLIP_SETTINGS, LOSS_AGG_MODES, agg_loss, register_policy_loss
+from refppo.losses import CLIP_SETTINGS, LOSS_AGG_MODES, ROW_MEAN, agg_loss, register_policy_loss
 from refppo.registry import ConfigView
 
 
@@ -134,9 +134,9 @@ def compute_policy_loss_geo_mean(
     Per token, the log-ratio is clipped to [-low, high] on the side that would let the objective
     grow (the pessimistic side for the sign of A, PPO's rule in log space); the sequence's ratio is
     exp(mean of those over its valid tokens), its loss -mean(A) * ratio, and the loss the mean over
-    the rows (verl's ``torch.mean``, whatever ``loss_agg_mode`` says; registered with ``aggregates``
-    seq-mean-token-mean, whose micro-batch weights that mean needs). Rollout-correction weights
-    enter as their per-sequence geometric mean.
+    the rows, empty ones included (verl's ``torch.mean``, whatever ``loss_agg_mode`` says; registered
+    with ``aggregates`` :data:`refppo.losses.ROW_MEAN`, whose micro-batch weights that mean needs).
+    Rollout-correction weights enter as their per-sequence geometric mean.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (batch, T), as :func:`compute_policy_loss`
@@ -405,7 +405,7 @@ def sapo_loss(
     )
 
 
-@register_policy_loss("geo_mean", reads=CLIP_SETTINGS, aggregates="seq-mean-token-mean")
+@register_policy_loss("geo_mean", reads=CLIP_SETTINGS, aggregates=ROW_MEAN)
 def geo_mean_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
