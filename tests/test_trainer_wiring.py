@@ -425,7 +425,28 @@ def test_every_update_has_the_plain_gradient(overrides):
     if "actor.clip_ratio_c=1.01" in overrides:
         assert max(s["actor/pg_clipfrac_lower"] for s in stats) > 0
     if BYPASS_RS[0] in overrides:  # some tokens were rejected, not none or all
-        assert 0 < max(s["rollout_corr/rollout_rs_masked_fraction"] for s in stats) < 1
+        assert 0 < max(s["actor/rollout_corr/rollout_rs_masked_fraction"] for s in stats) < 1
+
+
+def test_bypass_modes_loss_metrics_are_logged_under_actor_and_reduced_by_name_as_verls():
+    """verl 0.9's V1 trainer (``_update_actor`` in ``verl/trainer/ppo/v1/trainer_base.py``) puts
+    ``actor/`` before every name of the update's metrics that lacks it (``rename_dict``), so bypass
+    mode's loss logs ``actor/rollout_corr/*``; ``reduce_metrics`` (``verl/utils/metric/utils.py``)
+    then takes the largest value over the mini-batches of a name with "max" in it, the smallest of
+    one with "min", the mean of the others."""
+    trainer = make_trainer([*MODES["bypass"], "algorithm.rollout_correction.rollout_is=token", "actor.ppo_epochs=2"])
+    metrics = trainer.train_step()
+    stats = trainer.last_update_stats
+    assert len(stats) > 1, "a vacuous check: one mini-batch"
+    names = [k for k in metrics if "rollout_corr/" in k]
+    assert names and all(k.startswith("actor/rollout_corr/") for k in names), names
+    high = "actor/rollout_corr/rollout_is_max"
+    low = "actor/rollout_corr/rollout_is_min"
+    mean = "actor/rollout_corr/rollout_is_mean"
+    assert metrics[high] == pytest.approx(max(s[high] for s in stats), rel=1e-6)
+    assert metrics[low] == pytest.approx(min(s[low] for s in stats), rel=1e-6)
+    assert metrics[mean] == pytest.approx(sum(s[mean] for s in stats) / len(stats), rel=1e-6)
+    assert len({s[high] for s in stats}) > 1, "a vacuous check: every mini-batch's max the same"
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"])

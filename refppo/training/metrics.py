@@ -201,8 +201,9 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
 
 
 def gather(metrics: dict, per_mini: list[dict], device: torch.device) -> dict[str, float]:
-    """``metrics`` and the mean of each update statistic over the mini-batches, as floats, read
-    in one host transfer.
+    """``metrics`` and each update statistic over the mini-batches, as floats, read in one host
+    transfer: the largest value of a name with "max" in it, the smallest of one with "min", else
+    the mean (verl's ``reduce_metrics``, ``verl/utils/metric/utils.py``).
 
     Args:
         metrics: name -> scalar tensor or number.
@@ -211,8 +212,13 @@ def gather(metrics: dict, per_mini: list[dict], device: torch.device) -> dict[st
     """
     out = dict(metrics)
     for k in sorted({k for m in per_mini for k in m}):
-        values = [m[k] for m in per_mini if k in m]
-        out[k] = sum(torch.as_tensor(v, device=device, dtype=torch.float32) for v in values) / len(values)
+        values = torch.stack([torch.as_tensor(m[k], device=device, dtype=torch.float32) for m in per_mini if k in m])
+        if "max" in k:
+            out[k] = values.max()
+        elif "min" in k:
+            out[k] = values.min()
+        else:
+            out[k] = values.mean()
     names = list(out)
     flat = torch.stack([torch.as_tensor(out[k], dtype=torch.float32, device=device) for k in names]).tolist()
     return dict(zip(names, flat))

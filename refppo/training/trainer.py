@@ -541,7 +541,9 @@ class PPOTrainer:
         terms = {"actor/pg_loss": LossTerm(pg_loss, pg_mode)}
         stats = {}
         for name, value in pg_metrics.items():  # a loss written for verl returns floats
-            stats[name] = torch.as_tensor(value, device=mask.device)
+            # verl's _update_actor puts actor/ before every name without it (bypass mode's rollout_corr/*)
+            logged = name if name.startswith("actor/") else f"actor/{name}"
+            stats[logged] = torch.as_tensor(value, device=mask.device)
         if entropy is not None:  # without the bonus only logged (verl adds 0 x entropy_loss)
             entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode, scale)
             terms["actor/entropy_loss"] = LossTerm(entropy_loss, a.loss_agg_mode, coefficient=-a.entropy_coeff)
