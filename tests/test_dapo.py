@@ -199,6 +199,33 @@ def test_overlong_shaping_in_the_trainer_scores(max_resp_len):
     assert extras["overlong"].tolist() == [float(p < 0) for p in penalty]
 
 
+def test_validation_keeps_a_dict_results_own_score_beside_the_shaped_reward():
+    """verl's ``_validate`` (``verl/trainer/ppo/ray_trainer.py``) logs ``reward``, the score trained
+    on, and then every entry of the reward manager's extra info, a dict result's own ``score``
+    among them: under DAPO's overlong shaping the two differ, and both are validation variables."""
+    from refppo.training.validation import held_out_metrics
+
+    def scored(prompts, responses, records):
+        return {"score": [float(len(r) % 3) for r in responses], "acc": [float(r[:1] == "7") for r in responses]}
+
+    shaping = [
+        "reward_model.reward_manager=dapo",
+        "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=2",
+        "reward_model.overlong_buffer.penalty_factor=0.5",
+    ]
+    trainer = make_trainer(shaping, reward_fn=scored)
+    metrics, _ = held_out_metrics(trainer)
+    batch = trainer.generate(trainer.val_records, 1, do_sample=False, first_row=0, stream=2)
+    shaped, _ = trainer.score(batch, trainer.val_records)
+    texts = decode_texts(trainer.tokenizer, batch)[1]
+    assert shaped.tolist() != [float(len(r) % 3) for r in texts], "a vacuous check: no response was shaped"
+    source = "val-aux/arithmetic"
+    assert metrics[f"{source}/score/mean@1"] == pytest.approx(sum(len(r) % 3 for r in texts) / len(texts))
+    assert metrics[f"{source}/reward/mean@1"] == pytest.approx(shaped.mean().item(), abs=1e-6)
+    assert metrics["val-core/arithmetic/acc/mean@1"] == metrics["val/acc"]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

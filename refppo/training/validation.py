@@ -4,8 +4,9 @@
 - ``val/<name>_sampled``: one response sampled at the rollout temperature (what training optimises).
 - ``val-core/<data_source>/<variable>/<metric>`` and ``val-aux/...``: verl 0.9's metrics of the
   ``rollout.val_kwargs`` pass (the greedy one, or ``n`` samples per prompt), from
-  :func:`validation_metrics`. The variables are ``reward`` (the score) and the extra scores; a
-  record without ``data_source`` counts under its task's name (``data.task``).
+  :func:`validation_metrics`. The variables are ``reward`` (the score trained on) and the extra
+  scores, a dict result's own ``score`` among them; a record without ``data_source`` counts under
+  its task's name (``data.task``).
 
 verl's best@k, worst@k and maj@k are bootstrap estimates; refppo draws the same bootstrap samples
 (numpy's legacy generator, seed 42, the same calls) so its numbers equal verl's. It adds the
@@ -162,7 +163,9 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
         )
         lengths = batch["response_mask"].sum(-1).float()
         out[f"val/response_length{suffix}"] = float(distributed.gather_rows(lengths, world)[:count].mean())
-        out |= {f"val/{name}{suffix}": float(values.mean()) for name, values in passes[suffix][0].items()}
+        # val/score is the score trained on; a dict result's own "score" (before shaping) is not a second one
+        logged = {"score": passes[suffix][0]["reward"]} | {k: v for k, v in passes[suffix][0].items() if k != "reward"}
+        out |= {f"val/{name}{suffix}": float(values.mean()) for name, values in logged.items()}
     n = kw.n
     values, texts = passes[""]
     if not greedy_is_val_kwargs:
@@ -173,7 +176,7 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
         values, texts = _gathered(trainer, batch, [r for r in records for _ in range(n)], count * n, want_texts)
     sources = [r.get("data_source", c.data.task) for r in trainer.val_records for _ in range(n)]
     prompt_ids = [i for i in range(count) for _ in range(n)]
-    variables = {("reward" if k == "score" else k): v.tolist() for k, v in values.items()}
+    variables = {k: v.tolist() for k, v in values.items()}
     answers = None if answer_fn is None else [answer_fn(text) for text in texts[1]]
     out |= validation_metrics(sources, prompt_ids, variables, answers)
     samples = chosen_generations(*texts, variables["reward"], keep) if keep > 0 else []
@@ -181,13 +184,13 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
 
 
 def _gathered(trainer, batch: dict[str, torch.Tensor], rows: list[dict], count: int, texts: bool):
-    """The scores by name (``score`` and the extras, each (count,)) and, if ``texts``, the
+    """The scores by name, each (count,), as verl's ``_validate`` names them (``reward``, the score
+    trained on, then the extras, a dict result's own ``score`` among them), and, if ``texts``, the
     (prompts, responses) texts of a validation batch: every process's rows, the first ``count``."""
     world = trainer.world
     pad = trainer.tokenizer.pad_token_id
     scores, extras = trainer.score(batch, rows)
-    # the score trained on; a dict result's own "score" (before shaping) is not a second one
-    named = {"score": scores} | {k: v for k, v in extras.items() if k != "score"}
+    named = {"reward": scores} | {k: v for k, v in extras.items() if k != "reward"}
     values = {k: distributed.gather_rows(v, world)[:count].cpu() for k, v in named.items()}
     if not texts:
         return values, None
