@@ -791,6 +791,10 @@ def plain(data_source, solution_str, ground_truth, extra_info=None):
     return 0.5
 
 
+def turns(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(extra_info["num_turns"]), "tool_scores": float(len(extra_info["rollout_reward_scores"]))}
+
+
 seen = []
 '''
 
@@ -810,6 +814,9 @@ def test_a_custom_reward_function_file_is_called_as_verls_reward_manager_calls_i
     assert reward(["p"] * 3, ["4", " 4 ", "5"], records) == {"score": [1.0, 1.0, 0.0], "acc": [1.0, 1.0, 1.0]}
     assert records[0]["extra_info"] == {"index": 0}, "a copy of extra_info is passed"
     assert load_verl_reward_fn(str(file), "plain")(["p"], ["x"], records[:1]) == [0.5]
+    # verl's naive manager adds the agent loop's turns (2 in its single-turn loop: the user's, the
+    # assistant's) and the tools' reward scores (none) to extra_info
+    assert load_verl_reward_fn(str(file), "turns")(["p"], ["x"], records[:1]) == {"score": [2.0], "tool_scores": [0.0]}
     with pytest.raises(ValueError, match="no Python file there"):
         load_verl_reward_fn(str(tmp_path / "absent.py"), "compute_score")
     with pytest.raises(ValueError, match="has no function 'nothing'"):

@@ -52,7 +52,9 @@ def load_verl_reward_fn(path: str, name: str, extra_info: dict | None = None) ->
     naive reward manager calls it (``verl/experimental/reward_loop/reward_manager/naive.py``):
     ``name(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``, from the record's
     ``data_source``, the response's text, ``reward_model.ground_truth`` and a copy of
-    ``extra_info``. Dict results (``{"score": ..., "acc": ..., ...}``, verl's reward_extra_info)
+    ``extra_info`` with what the manager adds to it: ``num_turns`` (2, verl's single-turn agent
+    loop: the user's turn and the assistant's) and ``rollout_reward_scores`` (``{}``: no tool
+    scored the rollout). Dict results (``{"score": ..., "acc": ..., ...}``, verl's reward_extra_info)
     come back as one dict of lists, the score under ``"score"`` (:func:`split_reward_result`).
 
     Args:
@@ -88,7 +90,8 @@ def load_verl_reward_fn(path: str, name: str, extra_info: dict | None = None) ->
                 data_source=record.get("data_source"),
                 solution_str=text,
                 ground_truth=truth.get("ground_truth") if isinstance(truth, dict) else None,
-                extra_info=dict(record.get("extra_info") or {}) | (extra_info or {}),
+                # and what verl's naive manager adds (NaiveRewardManager.run_single), fresh each call
+                extra_info=dict(record.get("extra_info") or {}) | (extra_info or {}) | _single_turn_info(),
             )
             results.append(result)
         if not any(isinstance(result, dict) for result in results):
@@ -104,6 +107,12 @@ def load_verl_reward_fn(path: str, name: str, extra_info: dict | None = None) ->
     reward.__module__ = str(file)
     reward.__qualname__ = name
     return reward
+
+
+def _single_turn_info() -> dict:
+    """What verl 0.9's naive reward manager adds to a record's ``extra_info`` from its single-turn
+    agent loop: two turns (the user's, the assistant's) and no tool's reward scores."""
+    return {"num_turns": 2, "rollout_reward_scores": {}}
 
 
 def check_scores(scores, rows: int, source: str) -> torch.Tensor:
