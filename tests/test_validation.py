@@ -271,3 +271,36 @@ def test_val_kwargs_sampling_settings_are_used(sft_model, tmp_path):
     for g in generations:
         outputs[g["step"], g["input"]].add(g["output"])
     assert all(len(o) == 1 for o in outputs.values()), "both samples of a prompt are its greedy response"
+
+
+def test_maj_at_k_votes_on_the_answers_a_reward_function_parses():
+    """verl's math scorers return ``pred``, the answer parsed from the response, and
+    ``process_validation_metrics`` votes on it (maj@k) for every variable, ``acc`` among them;
+    without the task's own answers, refppo's validation takes the reward function's. Against verl's
+    metrics from the val_kwargs pass's responses, as the reward function saw them."""
+    from _trainers import make_trainer
+
+    from refppo.training.validation import held_out_metrics
+
+    calls = []
+
+    def parsed(prompts, responses, records):
+        calls.append(list(responses))
+        preds = [r[:1] for r in responses]  # the answer: the first character
+        return {"score": [float(p == "7") for p in preds], "acc": [float(p == "7") for p in preds], "pred": preds}
+
+    n = 4
+    trainer = make_trainer(["rollout.val_kwargs.n=4", "rollout.val_kwargs.temperature=1.0"], reward_fn=parsed)
+    metrics, _ = held_out_metrics(trainer)
+    responses = calls[-1]  # the val_kwargs pass, n responses to each held-out prompt
+    count = len(trainer.val_records)
+    assert len(responses) == count * n
+    preds = [r[:1] for r in responses]
+    assert 1 < len(set(preds)) < count * n, "a vacuous check: every answer the same, or all different"
+    acc = [float(p == "7") for p in preds]
+    uids = [i for i in range(count) for _ in range(n)]
+    variables = {"reward": acc, "score": acc, "acc": acc}
+    reference = verl_reference(["arithmetic"] * (count * n), uids, variables, preds)
+    voted = {k: v for k, v in metrics.items() if "/maj@" in k}
+    assert voted and voted == pytest.approx({k: v for k, v in reference.items() if "/maj@" in k}, abs=1e-12)
+    assert "val-core/arithmetic/acc/maj@4/mean" in voted

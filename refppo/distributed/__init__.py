@@ -187,6 +187,16 @@ def gather_rows(tensor: torch.Tensor, world: World, pad_value=0, pad_left: bool 
     return out.bool() if flag else out
 
 
+def gather_items(items: list, world: World) -> list:
+    """Every process's ``items`` (picklable objects, such as strings), in rank order: a list of
+    every process's items, one after another."""
+    if not world.distributed:
+        return items
+    parts = [None] * world.size
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
+
+
 def broadcast(value, world: World):
     """Rank 0's ``value`` (any picklable object) on every process."""
     if not world.distributed:

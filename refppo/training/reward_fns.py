@@ -178,6 +178,28 @@ def split_reward_result(result, rows: int, source: str) -> tuple[torch.Tensor, d
     return scores, components
 
 
+def reward_answers(result, rows: int, source: str) -> list | None:
+    """The answers a reward function's dict result parsed from the responses (its ``"pred"``
+    entry, as verl's math scorers return it), which verl's validation votes on for maj@k
+    (``process_validation_metrics``); None when it gives none.
+
+    Args:
+        result: what :func:`split_reward_result` reads.
+        rows: the responses scored.
+        source: the function, as errors name it.
+
+    Returns:
+        (rows,) list of answers (strings, or any values that compare equal when the answers agree).
+    """
+    if not isinstance(result, dict) or "pred" not in result:
+        return None
+    values = result["pred"]
+    answers = values.tolist() if isinstance(values, torch.Tensor) else list(values)  # compared by value
+    if len(answers) != rows:
+        raise ValueError(f"{source}'s 'pred' has {len(answers)} answers; expected {rows}, one per response")
+    return answers
+
+
 def describe(fn) -> str:
     """A function's ``module:qualname``, as ``reward_model.reward_fn`` spells it."""
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"

@@ -94,7 +94,7 @@ from refppo.training.metrics import (
     variance_proxy_metrics,
 )
 from refppo.training.optim import make_optimizer
-from refppo.training.reward_fns import RewardFn, check_scores, describe, split_reward_result
+from refppo.training.reward_fns import RewardFn, check_scores, describe, reward_answers, split_reward_result
 from refppo.training.update import Learner, LossTerm, UpdateSettings, minibatch_updates
 
 
@@ -321,15 +321,27 @@ class PPOTrainer:
         verl's DAPO reward manager adds it. A response that hit the length limit without EOS loses
         ``reward_model.missing_eos_penalty``: a reward model never saw unfinished responses.
         """
+        scores, extras, _ = self.score_and_answers(batch, rows)
+        return scores, extras
+
+    def score_and_answers(
+        self, batch: dict[str, torch.Tensor], rows: list[dict]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list | None]:
+        """:meth:`score`, and the answers a reward function's dict results parsed (their ``"pred"``,
+        which validation's maj@k votes on; :func:`refppo.training.reward_fns.reward_answers`), a
+        (B,) list or None."""
         rm = self.config.reward_model
         texts = None
         extras = {}
+        answers = None
         if self.reward_model is not None:
             scores = compute_scores(self.reward_model, batch, rm.micro_batch_size_per_gpu)
         else:
             texts = decode_texts(self.tokenizer, batch)
             source = f"reward function {describe(self.reward_fn)}"
-            scores, extras = split_reward_result(self.reward_fn(*texts, rows), len(rows), source)
+            result = self.reward_fn(*texts, rows)
+            scores, extras = split_reward_result(result, len(rows), source)
+            answers = reward_answers(result, len(rows), source)
             if rm.reward_manager == "dapo" and rm.overlong_buffer.enable:
                 buffer = rm.overlong_buffer
                 limit = rm.max_resp_len or self.config.data.max_response_length
@@ -342,7 +354,7 @@ class PPOTrainer:
         for name, fn in self.extra_reward_fns.items():
             texts = texts or decode_texts(self.tokenizer, batch)
             extras[name] = check_scores(fn(*texts, rows), len(rows), f"reward function {name!r}")
-        return scores.to(self.device), extras
+        return scores.to(self.device), extras, answers
 
     # ---- evaluate: steps 3 to 6 ---------------------------------------------------------
     def evaluate(self, batch: dict[str, torch.Tensor], scores: torch.Tensor, extras: dict, timing: dict) -> dict:

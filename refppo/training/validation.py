@@ -167,36 +167,41 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
         logged = {"score": passes[suffix][0]["reward"]} | {k: v for k, v in passes[suffix][0].items() if k != "reward"}
         out |= {f"val/{name}{suffix}": float(values.mean()) for name, values in logged.items()}
     n = kw.n
-    values, texts = passes[""]
+    values, texts, preds = passes[""]
     if not greedy_is_val_kwargs:
         if kw.temperature == 0:  # verl's engine decodes greedily at temperature 0: n equal responses
             batch = trainer.generate(records, n, do_sample=False, first_row=first * n, stream=2)
         else:
             batch = trainer.generate(records, n, do_sample=True, first_row=first * n, stream=2, sampling=kw)
-        values, texts = _gathered(trainer, batch, [r for r in records for _ in range(n)], count * n, want_texts)
+        rows = [r for r in records for _ in range(n)]
+        values, texts, preds = _gathered(trainer, batch, rows, count * n, want_texts)
     sources = [r.get("data_source", c.data.task) for r in trainer.val_records for _ in range(n)]
     prompt_ids = [i for i in range(count) for _ in range(n)]
     variables = {k: v.tolist() for k, v in values.items()}
-    answers = None if answer_fn is None else [answer_fn(text) for text in texts[1]]
+    # maj@k votes on the task's answers, else on those the reward function parsed (verl's "pred")
+    answers = preds if answer_fn is None else [answer_fn(text) for text in texts[1]]
     out |= validation_metrics(sources, prompt_ids, variables, answers)
     samples = chosen_generations(*texts, variables["reward"], keep) if keep > 0 else []
     return out, samples
 
 
 def _gathered(trainer, batch: dict[str, torch.Tensor], rows: list[dict], count: int, texts: bool):
-    """The scores by name, each (count,), as verl's ``_validate`` names them (``reward``, the score
-    trained on, then the extras, a dict result's own ``score`` among them), and, if ``texts``, the
-    (prompts, responses) texts of a validation batch: every process's rows, the first ``count``."""
+    """Of a validation batch, every process's rows, the first ``count``: the scores by name, each
+    (count,), as verl's ``_validate`` names them (``reward``, the score trained on, then the extras,
+    a dict result's own ``score`` among them); if ``texts``, the (prompts, responses) texts; the
+    answers the reward function parsed (``"pred"``), or None."""
     world = trainer.world
     pad = trainer.tokenizer.pad_token_id
-    scores, extras = trainer.score(batch, rows)
+    scores, extras, answers = trainer.score_and_answers(batch, rows)
     named = {"reward": scores} | {k: v for k, v in extras.items() if k != "reward"}
     values = {k: distributed.gather_rows(v, world)[:count].cpu() for k, v in named.items()}
+    if answers is not None:
+        answers = distributed.gather_items(answers, world)[:count]
     if not texts:
-        return values, None
+        return values, None, answers
     tokens = {
         "prompts": distributed.gather_rows(batch["prompts"], world, pad, pad_left=True)[:count],
         "responses": distributed.gather_rows(batch["responses"], world, pad)[:count],
         "response_mask": distributed.gather_rows(batch["response_mask"], world)[:count],
     }
-    return values, decode_texts(trainer.tokenizer, tokens)
+    return values, decode_texts(trainer.tokenizer, tokens), answers
