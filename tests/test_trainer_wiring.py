@@ -671,6 +671,34 @@ def test_logged_data_metrics_match_their_formulas():
         assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
 
 
+def test_aborted_responses_and_the_step_and_epoch_are_logged_as_verls():
+    """verl's ``compute_data_metrics`` (``verl/trainer/ppo/metric_utils.py``) counts a response of no
+    tokens as aborted: ``response/aborted_ratio`` and ``response_length_non_aborted/*`` over the
+    others; its ``fit`` logs ``training/global_step`` (from 1) and ``training/epoch`` (the data
+    loader's, from 0)."""
+    trainer = make_trainer(["data.max_response_length=3"])
+    batches, _ = capture(trainer)
+    per_epoch = len(trainer.sampler.records) // trainer.config.data.train_batch_size
+    steps = [trainer.train_step() for _ in range(per_epoch + 1)]
+    assert [m["training/global_step"] for m in steps] == list(range(1, per_epoch + 2))
+    assert [m["training/epoch"] for m in steps] == [0] * per_epoch + [1]
+    assert steps[0]["response/aborted_ratio"] == 0
+    assert steps[0]["response_length_non_aborted/mean"] == steps[0]["response_length/mean"]
+    b = dict(batches[-1])
+    width = b["responses"].shape[1]
+    b["attention_mask"] = b["attention_mask"].clone()
+    b["attention_mask"][:2, -width:] = 0  # two responses the engine aborted: no tokens
+    m = gather(data_metrics(b, trainer.config, trainer.use_critic), [], trainer.device)
+    lengths = [float(x) for x in b["attention_mask"][:, -width:].sum(-1)]
+    kept = [x for x in lengths if x > 0]
+    assert m["response/aborted_ratio"] == pytest.approx(2 / len(lengths))
+    assert m["response_length_non_aborted/mean"] == pytest.approx(sum(kept) / len(kept))
+    assert (m["response_length_non_aborted/max"], m["response_length_non_aborted/min"]) == (max(kept), min(kept))
+    clipped = sum(x == 3 for x in kept) / len(kept)
+    assert 0 < clipped < 1, "a vacuous check"
+    assert m["response_length_non_aborted/clip_ratio"] == pytest.approx(clipped)
+
+
 def test_vpred_mean_is_the_critic_s_mean_prediction_in_its_update():
     """verl's critic/vpred_mean: before the first update the critic predicts the batch's values."""
     trainer = make_trainer([*BATCH, "critic.ppo_micro_batch_size_per_gpu=2"])

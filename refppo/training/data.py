@@ -16,7 +16,8 @@ from refppo.tasks.rules import rule_problem, rule_reward
 
 class EpochSampler:
     """Epochs over a list of records, each in a seeded random order (or in the list's order);
-    state is (epoch, cursor).
+    state is (epoch, cursor). ``batch_epoch`` is the epoch the last batch started in (verl's
+    ``training/epoch``).
 
     Serves PPO prompts, SFT examples and reward-model pairs alike.
 
@@ -40,6 +41,7 @@ class EpochSampler:
         self.drop_last = drop_last
         self.epoch = 0
         self.cursor = 0
+        self.batch_epoch = 0
 
     def _order(self) -> list[int]:
         if not self.shuffle:
@@ -52,6 +54,7 @@ class EpochSampler:
         if self.drop_last and self.cursor + self.batch_size > len(self.records):
             self.epoch += 1
             self.cursor = 0
+        self.batch_epoch = self.epoch
         out = []
         while len(out) < self.batch_size:
             order = self._order()

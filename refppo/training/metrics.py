@@ -146,7 +146,8 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
     Returns:
         ``critic/score/{mean,max,min}``, the same for rewards, advantages, returns (and values,
         with ``critic/vf_explained_var``), ``response_length/*`` and ``prompt_length/*`` with
-        their ``clip_ratio``, and, outside bypass mode, the sampler's probabilities
+        their ``clip_ratio``, ``response/aborted_ratio`` and ``response_length_non_aborted/*``
+        (the responses of at least one token), and, outside bypass mode, the sampler's probabilities
         against the recomputed ones (``training/rollout_probs_diff_*``,
         ``training/rollout_actor_probs_pearson_corr``); scalar tensors.
     """
@@ -191,12 +192,19 @@ def data_metrics(batch: dict[str, torch.Tensor], config: Config, use_critic: boo
                 batch_normalize=correction.rollout_is_batch_normalize,
             )
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
+    response_length = sampled.sum(-1).float()
     for name, length, limit in (
-        ("response_length", sampled.sum(-1).float(), config.data.max_response_length),
+        ("response_length", response_length, config.data.max_response_length),
         ("prompt_length", prompt_length, config.data.max_prompt_length),
     ):
         mean_max_min(name, length, rows)
         out[f"{name}/clip_ratio"] = (length == limit).float().mean()
+    # verl counts a response of no tokens as aborted by its engine (refppo's sampler never aborts one)
+    kept = (response_length > 0).to(rows.dtype)
+    out["response/aborted_ratio"] = 1 - kept.float().mean()
+    mean_max_min("response_length_non_aborted", response_length, kept)
+    at_limit = (response_length == config.data.max_response_length).float()
+    out["response_length_non_aborted/clip_ratio"] = masked_mean(at_limit, kept)
     return out
 
 

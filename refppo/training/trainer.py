@@ -586,8 +586,8 @@ class PPOTrainer:
     # ---- step 9: metrics ----------------------------------------------------------------
     def step_metrics(self, batch: dict, stats: dict, update_stats: list[dict], timing: dict, start: float) -> dict:
         """Step 9: the step's metrics in verl's names, gathered to the host in one transfer, with
-        the timings (the step's from ``start``, a ``time.perf_counter()``), throughput and peak
-        memory."""
+        the timings (the step's from ``start``, a ``time.perf_counter()``), throughput, peak
+        memory, and the step (from 1) and the data's epoch (from 0) as verl's ``fit`` logs them."""
         c = self.config
         with value_checks(False):  # the batch was checked before the updates
             data = data_metrics(batch, c, self.use_critic)
@@ -600,6 +600,8 @@ class PPOTrainer:
         metrics.update(timing)
         metrics |= throughput_metrics(batch, timing, processes=self.world.size)
         metrics["perf/max_memory_allocated_gb"] = peak_memory_gb(self.device)
+        metrics["training/global_step"] = self.step + 1  # verl's fit counts steps from 1
+        metrics["training/epoch"] = self.sampler.batch_epoch
         if c.actor.use_kl_loss:
             metrics["actor/kl_coef"] = c.actor.kl_loss_coef
         return metrics
