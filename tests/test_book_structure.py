@@ -51,6 +51,9 @@ SOURCE_FOOTNOTE = re.compile(
 # Sentences that name verl without saying what it does (the book's sources, a reader's task, the
 # appendix's own behaviour): (file, a piece of the sentence). Each must still match a sentence.
 NOT_VERL_CLAIMS = [
+    ("appB2_departures.ipynb", "Appendix B reads each of verl's settings"),  # the page's scope
+    ("appB2_departures.ipynb", "This page lists the few places"),  # the page's scope
+    ("appB2_departures.ipynb", "In each, verl's number moves with"),  # the page's scope, sourced below
     ("appA_debugging.ipynb", "say what each of verl's step metrics measures"),  # a learning goal
     ("ch04_gae.ipynb", "including verl's rule for masked positions"),  # a learning goal
     ("ch05_rlhf_loop.ipynb", "map verl's seven stages and its configuration keys"),  # a learning goal
