@@ -205,7 +205,9 @@ def compute_grpo_outcome_advantage(
 
     The score is the row sum of ``token_level_rewards``; a group is the rows that share an
     ``index`` label (the ``rollout.n`` samples of one prompt). The std is unbiased, as
-    torch.std. A group of one gets mean 0 and std 1 (verl's rule).
+    torch.std. A group of one gets mean 0 and std 1 (verl's rule). The group statistics are taken
+    in float64, so a group of equal scores gets advantage 0 even where float32 cannot hold the
+    score (verl's float32 mean is off by a rounding step there, which the std near 0 blows up).
 
     Args:
         token_level_rewards: (batch, T).
@@ -219,12 +221,12 @@ def compute_grpo_outcome_advantage(
     """
     check_number("epsilon", epsilon, "[0, inf)")
     check_flag("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
-    scores, n, total, sq_dev = group_scores(token_level_rewards, response_mask, index)
+    scores, n, total, sq_dev = group_scores(token_level_rewards.double(), response_mask, index)
     std = torch.where(n == 1, torch.ones_like(total), torch.sqrt(sq_dev / (n - 1).clamp(min=1)))
     adv = scores - group_mean(n, total)
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + epsilon)
-    adv = adv.unsqueeze(-1) * response_mask
+    adv = adv.to(work_dtype(token_level_rewards)).unsqueeze(-1) * response_mask
     return adv, adv
 
 

@@ -171,6 +171,22 @@ def test_grpo_matches_plain_loop(b, norm_by_std, tensor_index):
     assert torch.equal(adv, ret)
 
 
+@pytest.mark.parametrize("score, size", [(0.1, 16), (0.7, 16), (0.7, 64), (0.7, 3), (2.3, 16)])
+def test_grpo_gives_a_group_of_equal_float32_scores_advantage_zero(score, size):
+    """Equal scores that float32 cannot hold exactly: a float32 mean is off by a rounding step and the
+    std is near 0, so a float32 GRPO (verl's, whose torch.mean rounds) turns rounding into
+    advantages of order 0.1; taken in float64, the group's deviation and advantage are exactly 0.
+    Its float32 result is still float32, and a group beside it with differing scores keeps its own."""
+    mixed = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=torch.float32)
+    rewards = torch.cat([torch.full((size,), score, dtype=torch.float32), mixed]).unsqueeze(-1)
+    index = [0] * size + [1] * 4
+    adv, _ = compute_grpo_outcome_advantage(rewards, torch.ones_like(rewards), index)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv[:size], torch.zeros(size, 1))
+    expected = (mixed - 0.5) / (math.sqrt(1 / 3) + 1e-6)
+    torch.testing.assert_close(adv[size:, 0], expected)
+
+
 @given(batches(max_batch=9), st.booleans())
 def test_rloo_matches_plain_loop(b, tensor_index):
     gen, batch, length, kind = b
