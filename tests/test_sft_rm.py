@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from refppo.rollout.forward import compute_scores
@@ -87,3 +88,19 @@ def test_reward_model_learns_the_gold_preferences_and_centres():
     prompts, responses = zip(*preference.make_sft_examples(64, seed=5))
     center_reward_model(rm, TOK, list(prompts), list(responses))
     assert abs(compute_scores(rm, build_batch(TOK, list(prompts), list(responses))).mean().item()) < 1e-5
+
+
+def test_centring_scores_a_few_samples_at_a_time():
+    """A reward model trained on a file centres on its training responses: tens of thousands of
+    sequences, which one forward pass would not hold. Centring scores ``batch_size`` at a time, to
+    the same shift (float32 scores, so 1e-6 of their size)."""
+    torch.manual_seed(0)
+    rm = load_value_model(_config())
+    prompts, responses = zip(*preference.make_sft_examples(150, seed=5))
+    whole = compute_scores(rm, build_batch(TOK, list(prompts), list(responses))).double().mean().item()
+    rows = []
+    forward = rm.forward
+    rm.forward = lambda *args, **kwargs: rows.append(kwargs["input_ids"].shape[0]) or forward(*args, **kwargs)
+    shift = center_reward_model(rm, TOK, list(prompts), list(responses), batch_size=64)
+    assert rows == [64, 64, 22]
+    assert shift == pytest.approx(-whole, abs=1e-6 * max(1.0, abs(whole)))

@@ -222,7 +222,9 @@ def value_head(model: PreTrainedModel) -> torch.nn.Linear:
 
 
 def init_value_head(model: PreTrainedModel) -> None:
-    """Initialise the scalar head: weight ~ N(0, 1/sqrt(hidden+1)), bias 0 (as TRL and OpenRLHF)."""
+    """Initialise the scalar head: weight ~ N(0, 1/sqrt(hidden+1)), bias 0, so unit-scale hidden
+    states give scores of order 1 (OpenRLHF's std is 1/(hidden+1), and TRL's value head takes
+    nn.Linear's own initialisation)."""
     head = value_head(model)
     with torch.no_grad():
         head.weight.normal_(mean=0.0, std=1.0 / (head.in_features + 1) ** 0.5)

@@ -113,11 +113,32 @@ def held_out_comparisons(
 
 @torch.no_grad()
 def center_reward_model(
-    reward_model, tokenizer, prompts: list[str], responses: list[str], chat_template_kwargs: dict | None = None
+    reward_model,
+    tokenizer,
+    prompts: list,
+    responses: list[str],
+    chat_template_kwargs: dict | None = None,
+    batch_size: int = 64,
 ) -> float:
-    """Shift the head's bias so these (SFT) samples score 0 on average (chat prompts rendered with
-    ``chat_template_kwargs``); returns the shift."""
-    batch = build_batch(tokenizer, prompts, responses, chat_template_kwargs=chat_template_kwargs)
-    mean = compute_scores(reward_model, batch).mean().item()
+    """Shift the head's bias so these samples (a file's training responses, or SFT samples) score 0
+    on average; returns the shift.
+
+    Args:
+        reward_model: a scalar-head model.
+        tokenizer: its tokenizer.
+        prompts, responses: the samples, each prompt a text or a chat (rendered with
+            ``chat_template_kwargs``).
+        batch_size: samples per forward pass, so a whole training file never makes one batch.
+    """
+    if not prompts or len(prompts) != len(responses):
+        raise ValueError(f"center on matching prompts and responses, got {len(prompts)} and {len(responses)}")
+    total = 0.0
+    for start in range(0, len(prompts), batch_size):
+        end = start + batch_size
+        batch = build_batch(
+            tokenizer, prompts[start:end], responses[start:end], chat_template_kwargs=chat_template_kwargs
+        )
+        total += compute_scores(reward_model, batch).sum().item()
+    mean = total / len(prompts)
     value_head(reward_model).bias.sub_(mean)
     return -mean
