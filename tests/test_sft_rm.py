@@ -104,3 +104,8 @@ def test_centring_scores_a_few_samples_at_a_time():
     shift = center_reward_model(rm, TOK, list(prompts), list(responses), batch_size=64)
     assert rows == [64, 64, 22]
     assert shift == pytest.approx(-whole, abs=1e-6 * max(1.0, abs(whole)))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
+            center_reward_model(rm, TOK, list(prompts), list(responses), batch_size=bad)
+    with pytest.raises(ValueError, match="matching prompts and responses, got 150 and 149"):
+        center_reward_model(rm, TOK, list(prompts), list(responses)[1:])

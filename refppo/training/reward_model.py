@@ -132,6 +132,8 @@ def center_reward_model(
     """
     if not prompts or len(prompts) != len(responses):
         raise ValueError(f"center on matching prompts and responses, got {len(prompts)} and {len(responses)}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
     total = 0.0
     for start in range(0, len(prompts), batch_size):
         end = start + batch_size
