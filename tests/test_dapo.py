@@ -223,6 +223,7 @@ def test_validation_keeps_a_dict_results_own_score_beside_the_shaped_reward():
     source = "val-aux/arithmetic"
     assert metrics[f"{source}/score/mean@1"] == pytest.approx(sum(len(r) % 3 for r in texts) / len(texts))
     assert metrics[f"{source}/reward/mean@1"] == pytest.approx(shaped.mean().item(), abs=1e-6)
+    assert metrics["val/score"] == pytest.approx(shaped.mean().item(), abs=1e-6), "val/score: the score trained on"
     assert metrics["val-core/arithmetic/acc/mean@1"] == metrics["val/acc"]
 
 

@@ -164,7 +164,8 @@ def held_out_metrics(trainer) -> tuple[dict[str, float], list[dict]]:
         lengths = batch["response_mask"].sum(-1).float()
         out[f"val/response_length{suffix}"] = float(distributed.gather_rows(lengths, world)[:count].mean())
         # val/score is the score trained on; a dict result's own "score" (before shaping) is not a second one
-        logged = {"score": passes[suffix][0]["reward"]} | {k: v for k, v in passes[suffix][0].items() if k != "reward"}
+        named = passes[suffix][0]
+        logged = {"score": named["reward"]} | {k: v for k, v in named.items() if k not in ("reward", "score")}
         out |= {f"val/{name}{suffix}": float(values.mean()) for name, values in logged.items()}
     n = kw.n
     values, texts, preds = passes[""]
