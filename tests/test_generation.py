@@ -135,16 +135,44 @@ def test_sampling_filters_match_a_plain_reference():
             allowed.append(set(kept))
         seen = [set() for _ in range(6)]
         for _ in range(200):
-            tokens, logp = sample_next_token(logits, 0.8, top_k, top_p, True, torch.rand(6, generator=gen))
+            uniform = torch.rand(6, generator=gen)
+            tokens, logp = sample_next_token(logits, 0.8, top_k, top_p, True, uniform, "raw_logprobs")
+            processed_tokens, processed = sample_next_token(logits, 0.8, top_k, top_p, True, uniform)
+            assert torch.equal(tokens, processed_tokens), "the mode changes what is recorded, not what is drawn"
             for i, t in enumerate(tokens.tolist()):
                 seen[i].add(t)
+                # raw: the full distribution's; processed (verl's default, vLLM's): renormalised over the kept tokens
                 assert math.isclose(logp[i].item(), math.log(probs[i, t].item()), abs_tol=1e-5)
+                kept_mass = sum(probs[i, j].item() for j in allowed[i])
+                assert math.isclose(processed[i].item(), math.log(probs[i, t].item() / kept_mass), abs_tol=1e-5)
         for i in range(6):
             assert seen[i] <= allowed[i]
             if len(allowed[i]) <= 3:
                 assert seen[i] == allowed[i]
     greedy, _ = sample_next_token(logits, 1.0, do_sample=False)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_the_recorded_log_prob_is_vllms_processed_one_by_default():
+    """verl 0.9 asks vLLM for ``processed_logprobs`` (``rollout.logprobs_mode``'s default in
+    ``verl/workers/config/rollout.py``, ``RolloutConfig``): the log-prob of the temperature-scaled
+    distribution after top-k and top-p, renormalised over the kept tokens. Logits (2, 1, 0.5, 0, -1)
+    at temperature 0.7 with top_p 0.8 keep the first two tokens; without a filter the modes agree."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    first = torch.zeros(1)  # a uniform number of 0 draws the most likely token
+    scaled = [x / 0.7 for x in (2.0, 1.0, 0.5, 0.0, -1.0)]
+    full = math.log(math.exp(scaled[0]) / sum(math.exp(x) for x in scaled))
+    nucleus = math.log(math.exp(scaled[0]) / sum(math.exp(x) for x in scaled[:2]))
+    token, processed = sample_next_token(logits, 0.7, top_p=0.8, uniform=first)
+    _, raw = sample_next_token(logits, 0.7, top_p=0.8, uniform=first, logprobs_mode="raw_logprobs")
+    assert token.item() == 0
+    assert processed.item() == pytest.approx(nucleus, abs=1e-6) and raw.item() == pytest.approx(full, abs=1e-6)
+    assert nucleus - full > 0.1, "a vacuous check: the nucleus holds nearly all the mass"
+    _, unfiltered = sample_next_token(logits, 0.7, uniform=first)
+    _, unfiltered_raw = sample_next_token(logits, 0.7, uniform=first, logprobs_mode="raw_logprobs")
+    assert torch.equal(unfiltered, unfiltered_raw)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        sample_next_token(logits, 0.7, logprobs_mode="raw_logits")
 
 
 def test_inverse_cdf_sampling_draws_each_token_with_its_probability():

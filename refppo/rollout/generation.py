@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import torch
 
 from refppo.functional import logprobs_from_logits
-from refppo.guards.checks import TEMPERATURES, check_ndim, check_number, check_same_shape, checks_once
+from refppo.guards.checks import TEMPERATURES, check_choice, check_ndim, check_number, check_same_shape, checks_once
 from refppo.rollout.device import autocast
 from refppo.rollout.prompts import position_ids_from_mask, sequence_batch
+from refppo.settings.config import LOGPROBS_MODES
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -39,13 +40,17 @@ def sample_next_token(
     top_p: float = 1.0,
     do_sample: bool = True,
     uniform: torch.Tensor | None = None,
+    logprobs_mode: str = "processed_logprobs",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row and its log-prob under softmax(logits / temperature).
+    """Pick one token per row and record its log-prob.
 
     A sampled row's token is the first whose cumulative probability exceeds the row's uniform
-    number (inverse-CDF sampling: token v is drawn with its probability). The log-prob is that of
-    the full temperature-scaled distribution, which is what training recomputes; top-k / top-p only
-    restrict which tokens can be drawn (as in verl with vLLM).
+    number (inverse-CDF sampling: token v is drawn with its probability). The log-prob recorded is,
+    as vLLM's ``logprobs_mode`` says (verl's ``rollout.logprobs_mode``): ``processed_logprobs``
+    (verl's default), that of the distribution the token was drawn from, softmax(logits /
+    temperature) renormalised over the tokens top-k and top-p kept; ``raw_logprobs``, that of the
+    full softmax(logits / temperature), which is what training recomputes. Without top-k and
+    top-p, and for a greedy pick, the two are the same.
 
     Args:
         logits: (B, V) next-token logits.
@@ -54,20 +59,26 @@ def sample_next_token(
         top_p: keep the smallest set of most likely tokens with mass >= top_p; 1 keeps all.
         do_sample: False picks the argmax (greedy, for evaluation).
         uniform: (B,) numbers in [0, 1), one per row; None draws them from torch's generator.
+        logprobs_mode: "processed_logprobs" or "raw_logprobs".
 
     Returns:
         (tokens (B,) int64, log_probs (B,) float32).
     """
+    check_choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
     scaled = logits.float() / temperature
-    if do_sample:
-        cdf = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1).cumsum(dim=-1)
-        if uniform is None:
-            uniform = torch.rand(cdf.shape[0], device=cdf.device)
-        # a token of probability 0 adds nothing to the CDF, so no uniform number lands on it
-        target = uniform.to(cdf)[:, None] * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
-    else:
+    if not do_sample:
         tokens = scaled.argmax(dim=-1)
+        return tokens, logprobs_from_logits(logits, tokens, temperature)
+    kept = _filter_top_k_top_p(scaled, top_k, top_p)
+    cdf = kept.softmax(dim=-1).cumsum(dim=-1)
+    if uniform is None:
+        uniform = torch.rand(cdf.shape[0], device=cdf.device)
+    # a token of probability 0 adds nothing to the CDF, so no uniform number lands on it
+    target = uniform.to(cdf)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+    filtered = 0 < top_k < logits.shape[-1] or top_p < 1.0
+    if logprobs_mode == "processed_logprobs" and filtered:  # the distribution the token was drawn from
+        return tokens, kept.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs_from_logits(logits, tokens, temperature)
 
 
@@ -147,6 +158,7 @@ def generate(
     n: int = 1,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
+    logprobs_mode: str = "processed_logprobs",
 ) -> dict[str, torch.Tensor]:
     """Sample responses token by token with a KV cache, recording each token's log-prob.
 
@@ -168,6 +180,7 @@ def generate(
         generator: random source for sampling, when ``uniforms`` is not given.
         uniforms: (N * n, max_new_tokens) numbers in [0, 1): row i's token t is drawn with
             ``uniforms[i, t]`` (:func:`sample_next_token`; :func:`row_uniforms` makes them).
+        logprobs_mode: the log-prob recorded (:func:`sample_next_token`).
 
     Returns:
         The batch of :mod:`refppo.rollout.prompts` with ``rollout_log_probs`` (B, R) float32,
@@ -176,6 +189,7 @@ def generate(
     """
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     _check_generate_inputs(prompts, attention_mask, eos, pad_token_id, max_new_tokens, temperature, top_p, n, uniforms)
+    check_choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
     device = model.device
     cache_key = cache_argument(model)
     prompts = prompts.to(device).repeat_interleave(n, dim=0)
@@ -205,7 +219,9 @@ def generate(
         )
     for t in range(max_new_tokens):
         # 2. sample a token per row and record its log-prob; a finished row gets pad
-        token, logp = sample_next_token(out.logits[:, -1], temperature, top_k, top_p, do_sample, uniforms[:, t])
+        token, logp = sample_next_token(
+            out.logits[:, -1], temperature, top_k, top_p, do_sample, uniforms[:, t], logprobs_mode
+        )
         tokens.append(token.masked_fill(done, pad_token_id))
         valid.append(~done)
         log_probs.append(logp.masked_fill(done, 0.0))

@@ -95,6 +95,9 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 # verl 0.9's rollout cuts it whatever its data.truncation says (AgentLoopBase.apply_chat_template)
 RUN_TRUNCATIONS = ("error", "left")
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+# what a sampled token's recorded log-prob is (vLLM's logprobs_mode, verl's rollout.logprobs_mode;
+# refppo.rollout.generation.sample_next_token)
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 # Megatron's names of the linear maps its LoRA adapts (refppo.rollout.megatron_lora), and
 # Megatron-Bridge's initialisations of an adapter's A and B
 MEGATRON_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -352,6 +355,9 @@ class RolloutConfig:
     top_p: float = setting(1.0, "(0, 1]")
     n: int = setting(1, COUNT)  # responses per prompt (GRPO / RLOO groups)
     ignore_eos: bool = setting(False)  # every response runs to data.max_response_length (benchmarks)
+    # the sampled token's recorded log-prob: of the top-k / top-p distribution it was drawn from
+    # (verl's default, vLLM's), or of the full one (raw_logprobs); the same without top-k and top-p
+    logprobs_mode: str = setting("processed_logprobs", LOGPROBS_MODES)
     # decode over a static KV cache replayed as CUDA graphs; null: on with CUDA
     cuda_graphs: bool | None = setting(None, resumable=True)
     log_prob_micro_batch_size_per_gpu: int | None = setting(

@@ -300,8 +300,6 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.rollout.qat": "quantisation-aware training",
     "actor_rollout_ref.rollout.quantization": "quantised rollouts",
     "actor_rollout_ref.rollout.quantization_config_file": "quantised rollouts",
-    "actor_rollout_ref.rollout.logprobs_mode": "the engine's log-prob modes (refppo records log softmax(logits / "
-    "temperature) of each sampled token)",
     **{f"reward_model.reward_loop_{k}": "reward loops from a file" for k in ("class_name", "module_path", "source")},
     "critic.model.lora_rank": "a LoRA critic",
     "critic.model.lora_adapter_path": "a LoRA critic",

@@ -310,6 +310,7 @@ class PPOTrainer:
                 ignore_eos=c.rollout.ignore_eos,
                 n=n,
                 uniforms=row_uniforms(c.trainer.seed, self.step, rows, limit, stream),
+                logprobs_mode=c.rollout.logprobs_mode,
             )
 
     def score(self, batch: dict[str, torch.Tensor], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
