@@ -204,6 +204,10 @@ def test_held_out_is_seeded_and_keeps_a_chat_whole(tmp_path):
     train, held = held_out(items, 0.1, seed=0)
     assert len(held) == 2 and sorted(train + held) == items and held != held_out(items, 0.1, seed=1)[1]
     assert held_out(items[:2], 0.9, seed=0)[0], "one is always left to train on"
+    # one item cannot be split: refused, where nothing was held out and no val/* logged, silently
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.5 holds out one of 1 item\(s\), which leaves none"):
+        held_out(items[:1], 0.5, seed=0)
+    assert held_out(items[:1], 0.0, seed=0) == ([0], [])
     path = write(tmp_path / "sft.jsonl", SFT_LAYOUTS["multi-turn chat"][1])
     config = apply_overrides(Config(), ["data.task=file", f"data.train_files={path}", *LENGTHS]).data
     from refppo.training.user_data import demonstrations

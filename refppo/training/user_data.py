@@ -105,6 +105,11 @@ def held_out(items: list, fraction: float, seed: int) -> tuple[list, list]:
     at least one when ``fraction`` > 0, and at least one left to train on."""
     if not 0 <= fraction < 1:
         raise ValueError(f"fraction must be in [0, 1), got {fraction}")
+    if fraction > 0 and len(items) < 2:
+        raise ValueError(
+            f"data.val_fraction={fraction} holds out one of {len(items)} item(s), which leaves none to train on: "
+            "give more records, data.val_files, or data.val_fraction=0"
+        )
     count = 0 if fraction == 0 else min(max(1, round(fraction * len(items))), len(items) - 1)
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
     held = set(order[:count])
