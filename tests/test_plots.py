@@ -104,3 +104,22 @@ def test_cli_plot_refuses_an_image_path_it_cannot_write(tmp_path):
     with pytest.raises(ValueError, match=r"-o .*missing/dir/x.png: no folder .*missing/dir; create it first"):
         main(["plot", str(a), "-m", "val/score", "-o", str(tmp_path / "missing" / "dir" / "x.png")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    (tmp_path / "shot.png").mkdir()
+    with pytest.raises(ValueError, match=r"shot.png is a folder; give the image file"):
+        main(["plot", str(a), "-m", "val/score", "-o", str(tmp_path / "shot.png"), "--force"])
+
+
+def test_cli_plot_refuses_two_runs_under_one_label(tmp_path):
+    """Two run folders named alike (e1/ppo and e2/ppo), or one label given twice: the second line
+    would replace the first in the legend and the plot, so the plot is refused before it is drawn."""
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e2").mkdir()
+    first = _folder(tmp_path / "e1", "ppo", _history(0))
+    second = _folder(tmp_path / "e2", "ppo", _history(1))
+    out = tmp_path / "same.png"
+    with pytest.raises(ValueError, match=r"two runs are labelled 'ppo'"):
+        main(["plot", str(first), str(second), "-m", "val/score", "-o", str(out)])
+    with pytest.raises(ValueError, match=r"two runs are labelled 'a'"):
+        main(["plot", f"a={first}", f"a={second}", "-m", "val/score", "-o", str(out)])
+    assert not out.exists()
+    assert main(["plot", f"one={first}", f"two={second}", "-m", "val/score", "-o", str(out)]) == 0

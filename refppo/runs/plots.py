@@ -182,9 +182,15 @@ def run_plot(argv: list[str]) -> int:
     for spec in args.runs:
         label, sep, paths = spec.partition("=")
         folders = paths.split(",") if sep else [spec]
-        runs[label if sep else Path(spec).name or spec] = folders
+        name = label if sep else Path(spec).name or spec
+        if name in runs:  # a second line under one label would hide the first
+            raise ValueError(f"two runs are labelled {name!r} ({','.join(runs[name])} and {','.join(folders)}): "
+                             "name each LABEL=PATH, or give seeds of one setting as LABEL=PATH,PATH")  # fmt: skip
+        runs[name] = folders
     if os.path.exists(args.out) and not args.force:
         raise ValueError(f"{args.out} exists; pass --force to replace it")
+    if os.path.isdir(args.out):
+        raise ValueError(f"{args.out} is a folder; give the image file to write")
     _check_image_path(args.out)
     fig = plot_runs(runs, args.metric, x=args.x, smooth=args.smooth)  # every check before the write
     fig.savefig(args.out, dpi=120)
