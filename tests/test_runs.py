@@ -45,12 +45,14 @@ def test_saved_models_load_with_their_optimisers_or_alone(tmp_path):
 
 
 def _saved_run(path, steps=(2, 4, 6)):
-    """A run folder with a metrics line per step (0 to the last) and a checkpoint at ``steps``."""
+    """A run folder with a metrics line per step (0 to the last) and a checkpoint at ``steps``, its
+    run ended (the folder's lock let go)."""
     run = RunFolder(path, Config())
     for step in range(max(steps) + 1):
         run.log(step, {"score": float(step)})
         if step in steps:
             run.save_checkpoint(step, lambda folder, step=step: _write_checkpoint(folder, step))
+    run.close()
     return run
 
 
@@ -174,6 +176,73 @@ def test_a_resume_may_turn_checkpointing_on_in_a_run_saved_before_the_setting_ex
         Config(), ["model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"]
     )
     assert check_resume(tmp_path / "r", on).step == 6
+
+
+def test_a_run_saved_before_a_setting_existed_resumes_at_its_default_and_says_so(tmp_path):
+    """A setting newer than the run's config.json (here rollout.logprobs_mode): the run had its
+    default, so a resume at the default goes ahead with a note, and one that sets another value
+    is refused as a change."""
+    _saved_run(tmp_path / "r")
+    _rewrite_config(tmp_path / "r", lambda saved: saved["rollout"].pop("logprobs_mode"))
+    resumed = check_resume(tmp_path / "r", Config())
+    assert resumed.step == 6
+    assert any("rollout.logprobs_mode is newer than the run's config.json" in note for note in resumed.notes)
+    raw = apply_overrides(Config(), ["rollout.logprobs_mode=raw_logprobs"])
+    with pytest.raises(ValueError, match=r"changed: rollout.logprobs_mode: 'processed_logprobs' -> 'raw_logprobs'"):
+        check_resume(tmp_path / "r", raw)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [["actor.optim.lr_scheduler_type=cosine"], ["actor.optim.lr_warmup_steps_ratio=0.1"]],
+)
+def test_a_longer_resume_is_refused_where_the_schedule_spans_the_run(tmp_path, schedule):
+    """trainer.total_training_steps may change on a resume (a constant schedule continues the same
+    run), but a cosine decay or a warm-up by ratio is laid out over the run's length: the steps
+    already run followed the old length's, so a longer resume would match no run of either length."""
+    saved = apply_overrides(Config(), schedule)
+    run = RunFolder(tmp_path / "r", saved)
+    run.log(0, {"score": 0.0})
+    run.save_checkpoint(2, lambda folder: _write_checkpoint(folder, 2))
+    before = _snapshot(tmp_path / "r")
+    longer = apply_overrides(Config(), [*schedule, "trainer.total_training_steps=3000"])
+    with pytest.raises(ValueError, match=r"trainer.total_training_steps: 1500 -> 3000 \(the schedule of actor.optim"):
+        check_resume(tmp_path / "r", longer)
+    assert _snapshot(tmp_path / "r") == before
+    assert check_resume(tmp_path / "r", saved).step == 2  # the same length resumes
+
+
+def test_a_second_process_in_a_run_folder_is_refused_before_it_writes(tmp_path):
+    """A resume started while the run still trains would rewrite its log under it and move its new
+    checkpoints aside: the folder's lock refuses the second writer before it writes anything, and
+    once the first has ended (its lock let go) the resume goes ahead."""
+    _saved_run(tmp_path / "r")
+    first = RunFolder(tmp_path / "r", Config(), check_resume(tmp_path / "r", Config()))  # training again
+    before = _snapshot(tmp_path / "r")
+    with pytest.raises(FileExistsError, match="is in use by another refppo process"):
+        RunFolder(tmp_path / "r", Config(), check_resume(tmp_path / "r", Config()))
+    assert _snapshot(tmp_path / "r") == before
+    first.close()
+    RunFolder(tmp_path / "r", Config(), check_resume(tmp_path / "r", Config())).close()
+    assert _steps(tmp_path / "r") == list(range(7))
+
+
+def test_the_command_line_refuses_a_folder_in_use_before_it_loads_anything(tmp_path, capsys, monkeypatch):
+    """The same lock, looked at with the other checks of the folder, so the refusal is one line
+    before any model is loaded (here no model.path is given: the folder's check comes first)."""
+    from refppo.runs import cli
+    from refppo.runs.folder import hold_lock
+
+    _saved_run(tmp_path / "r")
+    held = hold_lock(tmp_path / "r")
+    try:
+        monkeypatch.setattr(
+            "sys.argv", ["refppo", "ppo", f"trainer.output_dir={tmp_path / 'r'}", "trainer.resume=true"]
+        )
+        assert cli.entry() == 2
+    finally:
+        os.close(held)
+    assert "refppo: error: run folder" in capsys.readouterr().err
 
 
 def test_a_resume_may_drop_a_setting_its_run_never_read(tmp_path):

@@ -40,7 +40,7 @@ from refppo.guards.model_folder import (
 )
 from refppo.rollout.device import resolve_device
 from refppo.rollout.prompts import tokenize_prompts, tokenize_records
-from refppo.runs.folder import RunFolder, check_free, check_resume, check_writable, summary
+from refppo.runs.folder import RunFolder, check_free, check_resume, check_unlocked, check_writable, summary
 from refppo.runs.loggers import check_installed, run_name
 from refppo.runs.sizes import (
     check_batch_fits,
@@ -620,6 +620,7 @@ def _checked_folder(out: str, config: Config, command: str):
     or the error refusing it, to pass to the other processes."""
     try:
         check_writable(out)
+        check_unlocked(out)
         resume = check_resume(out, config) if config.trainer.resume else None
         if resume is None:
             check_free(out, resumable=command in declarations(config)["trainer.resume"].commands)

@@ -18,6 +18,7 @@ models' checkpoint reads back into any number of processes.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
@@ -68,6 +69,37 @@ def check_writable(path: str | os.PathLike) -> None:
         )
 
 
+def hold_lock(path: Path) -> int:
+    """Take the run folder's lock (an exclusive ``flock`` on the folder itself, so it adds no file)
+    for as long as the returned descriptor stays open: the system drops it when the process ends,
+    however it ends. Raises FileExistsError, before anything is written, if another process holds it.
+
+    Args:
+        path: an existing run folder.
+
+    Returns:
+        The folder's open file descriptor (``os.close`` it to let go).
+    """
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise FileExistsError(
+            f"run folder {str(path)!r} is in use by another refppo process; wait for it to end, or pick another "
+            "trainer.output_dir"
+        ) from None
+    return descriptor
+
+
+def check_unlocked(path: str | os.PathLike) -> None:
+    """Raise FileExistsError if another process is writing the run folder ``path`` (it holds the
+    lock :func:`hold_lock` takes); a missing folder is free."""
+    path = Path(path)
+    if path.is_dir():
+        os.close(hold_lock(path))
+
+
 def check_free(path: str | os.PathLike, resumable: bool = True) -> None:
     """Raise FileExistsError if ``path`` already holds a run (a non-empty folder); the message
     offers ``trainer.resume=true`` only where the command reads it (``resumable``)."""
@@ -84,7 +116,8 @@ class Resume:
         step: the checkpoint's step.
         state: the trainer state saved there (``PPOTrainer.load_checkpoint`` takes it with the folder).
         metrics: the lines of ``metrics.jsonl`` up to ``step``, each ending in a newline.
-        notes: what was passed over (unreadable checkpoints, a torn last log line).
+        notes: what was passed over (unreadable checkpoints, a torn last log line), and the
+            settings newer than the run, taken at their defaults.
         folder: the checkpoint's folder.
     """
 
@@ -109,6 +142,28 @@ def _critic_resolved(flat: dict) -> dict:
     """A flattened config with each unset critic setting replaced by the actor's, so a run saved
     with the value explicit resumes where it means the same."""
     return flat | {f"critic.{n}": flat.get(f"actor.{n}") for n in CRITIC_FROM_ACTOR if flat.get(f"critic.{n}") is None}
+
+
+def _schedule_length_changes(saved: dict, new: dict, free: set) -> list[str]:
+    """The run's length changed (``trainer.total_training_steps`` or ``trainer.total_epochs``, each
+    resumable alone) while a learning-rate schedule is laid out over it (a cosine decay, or a
+    warm-up of ``lr_warmup_steps_ratio`` of the run): each such change, as ``check_resume`` lists
+    them; the steps already run followed the old length's schedule, so the resumed run would match
+    no run of either length."""
+    lengths = [k for k in ("trainer.total_training_steps", "trainer.total_epochs") if saved.get(k) != new.get(k)]
+    laid_out = []
+    for role in ("actor", "critic"):
+        if f"{role}.optim.lr" in free:  # a critic the run does not have
+            continue
+        if new.get(f"{role}.optim.lr_scheduler_type") == "cosine":
+            laid_out.append(f"{role}.optim.lr_scheduler_type=cosine")
+        if new.get(f"{role}.optim.lr_warmup_steps", 0) <= 0 and new.get(f"{role}.optim.lr_warmup_steps_ratio", 0) > 0:
+            laid_out.append(f"{role}.optim.lr_warmup_steps_ratio={new[f'{role}.optim.lr_warmup_steps_ratio']}")
+    if not laid_out:
+        return []
+    return [
+        f"{k}: {saved.get(k)!r} -> {new.get(k)!r} (the schedule of {', '.join(laid_out)} spans it)" for k in lengths
+    ]
 
 
 def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
@@ -141,15 +196,22 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
         raise ValueError(f"cannot resume {str(path)!r}: its config.json is unreadable ({e})") from None
     if not isinstance(saved, dict):
         raise ValueError(f"cannot resume {str(path)!r}: its config.json holds a {type(saved).__name__}, not settings")
-    saved = flatten(saved)
     new = flatten(json.loads(_config_json(config)))  # through JSON, as saved: tuples become lists
-    saved, new = _critic_resolved(saved), _critic_resolved(new)
+    defaults = flatten(json.loads(_config_json(Config())))
+    saved = flatten(saved)
+    newer = [k for k in new if k not in saved and k in defaults]
+    # a setting newer than the run: the run had its default (refppo's defaults keep what it computed)
+    newer_notes = [f"{k} is newer than the run's config.json: taken at its default, {defaults[k]!r}" for k in newer]
+    saved = {k: defaults[k] for k in newer} | saved
+    saved = _critic_resolved(saved)
+    new = _critic_resolved(new)
     free = resumable_settings(config)
     changed = [
         f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(set(saved) | set(new))
         if k not in free and saved.get(k) != new.get(k)
     ]
+    changed += _schedule_length_changes(saved, new, free)
     if changed:
         raise ValueError(
             f"cannot resume {str(path)!r} with different settings (a resumed run must mean the same run); "
@@ -176,7 +238,8 @@ def check_resume(path: str | os.PathLike, config: Config) -> Resume | None:
                 f"cannot resume {str(path)!r}: its metrics.jsonl is missing, so the log of steps 1-{step} "
                 "would be lost. Nothing was changed; restore the file, or start a new run"
             )
-        return Resume(step, state, _metrics_until(path / "metrics.jsonl", step, notes), notes, folder)
+        metrics = _metrics_until(path / "metrics.jsonl", step, notes)
+        return Resume(step, state, metrics, newer_notes + notes, folder)
     raise ValueError(
         f"cannot resume {str(path)!r}: it holds no checkpoint that loads ({'; '.join(notes) or 'none saved yet'}). "
         "Nothing was changed; start a new run in another trainer.output_dir"
@@ -228,12 +291,15 @@ class RunFolder:
         self.metrics_path = self.path / "metrics.jsonl"
         self.generations_path = self.path / "val_generations.jsonl"
         self.loggers = []
+        self.lock = None
         if not world.main:
             return
         check_installed(config.trainer.logger)
         if resume is None:
             check_free(self.path)
         self.path.mkdir(parents=True, exist_ok=True)  # checkpoints/ comes with the first checkpoint
+        # one process writes a folder: a second run there (a resume started while it trains) is refused
+        self.lock = hold_lock(self.path)
         _atomic_write_text(self.path / "config.json", _config_json(config))
         self.loggers = open_loggers(config, self.path)
         if resume is not None:
@@ -267,10 +333,14 @@ class RunFolder:
             logger.log(step, metrics)
 
     def close(self, ok: bool = True) -> None:
-        """End the runs of ``trainer.logger``'s loggers (marked failed unless ``ok``)."""
+        """End the runs of ``trainer.logger``'s loggers (marked failed unless ``ok``), and let go of
+        the folder's lock."""
         for logger in self.loggers:
             logger.close(ok)
         self.loggers = []
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     def log_generations(self, step: int, samples: list[dict]) -> None:
         """Append one JSON line ``{"step": step, **sample}`` per validation sample
