@@ -245,6 +245,16 @@ def test_the_command_line_refuses_a_folder_in_use_before_it_loads_anything(tmp_p
     assert "refppo: error: run folder" in capsys.readouterr().err
 
 
+def test_a_folder_name_the_file_system_refuses_is_named_in_the_refusal(tmp_path):
+    """A name longer than the file system takes fails in pathlib's own check; the refusal names
+    trainer.output_dir, so the command line says it in one line."""
+    from refppo.runs.folder import check_writable
+
+    with pytest.raises(OSError, match=r"^\[Errno \d+\] trainer.output_dir='.*\.\.\.: File name too long"):
+        check_writable(tmp_path / ("x" * 300))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_resume_may_drop_a_setting_its_run_never_read(tmp_path):
     """A run saved before refppo refused ignored settings may hold one (here the KL controller's
     coefficient without KL in the reward); the resume, which must drop it, goes ahead. The same

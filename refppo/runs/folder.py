@@ -54,10 +54,13 @@ def holds_run(path: str | os.PathLike) -> bool:
 
 def check_writable(path: str | os.PathLike) -> None:
     """Raise OSError naming the path unless a run can be written at ``path``: its nearest existing
-    folder (itself, or the parent to create it in) is a writable folder, and a ``latest`` in it is
-    a file."""
+    folder (itself, or the parent to create it in) is a writable folder, the folders to create
+    have names the file system takes, and a ``latest`` in it is a file."""
     path = Path(path).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as error:  # a name the file system refuses, such as one too long
+        raise OSError(error.errno, f"trainer.output_dir={str(path)[:60]!r}...: {error.strerror}") from None
     if not existing.is_dir():
         raise NotADirectoryError(f"trainer.output_dir={str(path)!r}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
