@@ -20,19 +20,28 @@ from refppo.rollout.forward import (
 from refppo.rollout.models import load_causal_lm, tiny_config
 from refppo.rollout.prompts import sequence_batch
 
+FILTERED = dict(temperature=0.7, top_k=8, top_p=0.9, n=3)
+
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(temperature=1.0), dict(temperature=0.7, top_k=8, top_p=0.9, n=3), dict(temperature=1.3, do_sample=False)],
+    [dict(temperature=1.0), dict(FILTERED, logprobs_mode="raw_logprobs"), dict(temperature=1.3, do_sample=False)],
 )
 def test_first_ratio_is_one(tok, models, kw):
-    """Recomputed old log-probs equal the rollout's (CPU float32), at any micro-batch size."""
+    """Recomputed old log-probs equal the rollout's (CPU float32), at any micro-batch size: with
+    top-k and top-p, the rollout's raw_logprobs (its default, processed_logprobs, are renormalised
+    over the kept tokens, as vLLM's: never below the recomputed ones, and above where a token was cut)."""
     actor = models[0]
     batch = rollout(tok, actor, **kw)
     for mbs in (None, 1, 5):
         old = compute_log_probs(actor, batch, kw["temperature"], micro_batch_size=mbs)
         assert (old - batch["rollout_log_probs"]).abs().max().item() <= 1e-5
     assert torch.all(batch["rollout_log_probs"][batch["response_mask"] == 0] == 0)
+    if "logprobs_mode" in kw:
+        processed = rollout(tok, actor, **FILTERED)
+        old = compute_log_probs(actor, processed, FILTERED["temperature"])
+        gap = (processed["rollout_log_probs"] - old)[processed["response_mask"] == 1]
+        assert gap.min().item() >= -1e-5 and gap.max().item() > 1e-3
 
 
 def test_a_trainable_actor_and_its_frozen_reference_give_equal_log_probs():

@@ -341,9 +341,17 @@ class RunFolder:
         for logger in self.loggers:
             logger.close(ok)
         self.loggers = []
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Close the folder's lock (:func:`hold_lock`), once."""
         if self.lock is not None:
             os.close(self.lock)
             self.lock = None
+
+    def __del__(self) -> None:
+        # a run folder no one holds any more (a run made in Python and never closed) lets go of its lock
+        self._let_go()
 
     def log_generations(self, step: int, samples: list[dict]) -> None:
         """Append one JSON line ``{"step": step, **sample}`` per validation sample
