@@ -331,6 +331,7 @@ def returns_one(prompts, responses, records):
         (["data.train_files=/dev/null"], ValueError, "'/dev/null' is not a regular file"),
         (["data.train_files={bad}"], ValueError, "bad.jsonl:2 is not valid JSON"),
         (["data.train_files={nokey}"], ValueError, "nokey.jsonl:1: the record has no field 'prompt'"),
+        (["data.train_files={twice}"], ValueError, "twice.jsonl:2 gives the key 'prompt' twice; keep one"),
         (["data.train_files={latin1}"], ValueError, "latin1.jsonl:2 is not UTF-8 text"),
         (
             ["data.train_files={long}"],
@@ -388,11 +389,12 @@ def returns_one(prompts, responses, records):
 def test_bad_datasets_and_reward_functions_create_no_run_folder(sft_run, tmp_path, extra, error, message):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json}\n')
     (tmp_path / "nokey.jsonl").write_text('{"question": "1+1="}\n')
+    (tmp_path / "twice.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "1+1=", "prompt": "2+2="}\n')
     (tmp_path / "good.jsonl").write_text('{"prompt": "1+1="}\n' * 8)  # a batch of 8
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "1+1="}\n{"prompt": "café"}\n'.encode("latin-1"))
     (tmp_path / "long.jsonl").write_text('{"prompt": "1+1="}\n\n{"prompt": "' + "1+" * 10 + '1="}\n')
     (tmp_path / "folder.jsonl").mkdir()
-    files = {k: tmp_path / f"{k}.jsonl" for k in ("bad", "nokey", "good", "latin1", "long", "folder")} | {
+    files = {k: tmp_path / f"{k}.jsonl" for k in ("bad", "nokey", "twice", "good", "latin1", "long", "folder")} | {
         "lm": f"{sft_run}/model"
     }
     out = tmp_path / "run"

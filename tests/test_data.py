@@ -66,6 +66,8 @@ def test_chat_prompts_load_from_jsonl_and_parquet_alike(tmp_path):
         from_jsonl = load_records(write_jsonl(tmp_path / f"{name}.jsonl", records), "prompt", tok, 32)
         assert from_jsonl == records
         assert load_records(str(tmp_path / f"{name}.parquet"), "prompt", tok, 32) == records
+    pd.DataFrame(texts).to_parquet(tmp_path / "SHOUTED.PARQUET")  # the extension in any case
+    assert load_records(str(tmp_path / "SHOUTED.PARQUET"), "prompt", tok, 32) == texts
 
 
 def test_chat_prompts_are_checked_at_load_time(tmp_path):

@@ -79,8 +79,8 @@ class EpochSampler:
 def read_records(path: str) -> list[tuple[str, dict]]:
     """Every record of a JSONL or Parquet file, each with where it is ("file.jsonl:3",
     "file.parquet: row 3") for errors. A missing file or a folder, bytes that are not UTF-8, a
-    line that is not JSON and a file without records are refused, naming the file and line; a
-    Parquet list column arrives as a list.
+    line that is not JSON (or gives a key twice) and a file without records are refused, naming the
+    file and line; a Parquet list column arrives as a list (``.parquet`` in any case).
 
     Returns:
         (where, record) pairs in file order; a record may be any JSON value (the callers check).
@@ -91,7 +91,7 @@ def read_records(path: str) -> list[tuple[str, dict]]:
         raise FileNotFoundError(f"dataset file {path!r} does not exist")
     if not os.path.isfile(path):  # a device, a pipe or a socket: nothing to read records from twice
         raise ValueError(f"dataset path {path!r} is not a regular file; give a .jsonl or .parquet file")
-    if path.endswith(".parquet"):
+    if path.lower().endswith(".parquet"):
         located = [(f"{path}: row {n}", _plain(rec)) for n, rec in enumerate(_parquet_rows(path), 1)]
     else:
         located = []
@@ -100,16 +100,29 @@ def read_records(path: str) -> list[tuple[str, dict]]:
                 try:
                     line = raw.decode("utf-8")
                     if line.strip():
-                        located.append((f"{path}:{n}", json.loads(line)))
+                        located.append((f"{path}:{n}", json.loads(line, object_pairs_hook=_one_value_per_key)))
                 except UnicodeDecodeError:
                     raise ValueError(f"{path}:{n} is not UTF-8 text") from None
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
                 except RecursionError:
                     raise ValueError(f"{path}:{n} is nested too deeply to read") from None
+                except KeyError as e:
+                    raise ValueError(f"{path}:{n} gives the key {e.args[0]!r} twice; keep one") from None
     if not located:
         raise ValueError(f"{path} holds no records")
     return located
+
+
+def _one_value_per_key(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict, or KeyError naming a key given twice (``json`` keeps the last
+    one silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise KeyError(key)
+        out[key] = value
+    return out
 
 
 def _parquet_rows(path: str) -> list[dict]:
