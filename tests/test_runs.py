@@ -255,6 +255,24 @@ def test_a_folder_name_the_file_system_refuses_is_named_in_the_refusal(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_folder_left_by_a_run_that_stopped_before_its_first_step_can_be_used_again(tmp_path):
+    """A run that fails before step 0 (a reward function that raises) leaves only its config.json:
+    nothing to keep or resume, so a new run may start there, and a resume starts afresh. A folder
+    holding only some other config.json is still someone's, and refused."""
+    from refppo.runs.folder import check_free
+
+    RunFolder(tmp_path / "r", Config()).close()
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["config.json"]
+    check_free(tmp_path / "r")
+    assert check_resume(tmp_path / "r", Config()) is None
+    RunFolder(tmp_path / "r", apply_overrides(Config(), ["actor.optim.lr=1e-3"])).close()
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["actor"]["optim"]["lr"] == 1e-3
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text('{"learning_rate": 0.1}')
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        check_free(tmp_path / "mine")
+
+
 def test_a_resume_may_drop_a_setting_its_run_never_read(tmp_path):
     """A run saved before refppo refused ignored settings may hold one (here the KL controller's
     coefficient without KL in the reward); the resume, which must drop it, goes ahead. The same

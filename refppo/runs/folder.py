@@ -47,9 +47,23 @@ def _config_json(config: Config) -> str:
 
 
 def holds_run(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a non-empty folder."""
+    """Whether ``path`` is a non-empty folder, other than one holding only the ``config.json`` of a
+    refppo run that stopped before its first step (nothing to keep or resume: a run may start
+    there)."""
     path = Path(path)
-    return path.is_dir() and any(path.iterdir())
+    if not path.is_dir():
+        return False
+    names = [p.name for p in path.iterdir()]
+    return bool(names) and not (names == ["config.json"] and _is_refppo_config(path / "config.json"))
+
+
+def _is_refppo_config(file: Path) -> bool:
+    """Whether ``file`` is a config.json refppo wrote (a JSON object with its sections)."""
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and set(config_to_dict(Config())) <= set(saved)
 
 
 def check_writable(path: str | os.PathLike) -> None:
